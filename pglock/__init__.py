@@ -1,0 +1,55 @@
+"""pglock: distributed locks on Postgres alone.
+
+Advisory locks on a connection (:func:`pg_lock`, :func:`xact_lock`, :func:`try_xact_lock`),
+and the name -> key contract (:func:`key`). See the README for which lock fits which job.
+"""
+
+from __future__ import annotations
+
+from ._advisory import PgLock, pg_lock, try_xact_lock, xact_lock
+from ._keys import MAX_NAME_BYTES, key
+from .errors import (
+    DeadlockDetected,
+    InvalidConnectionState,
+    LockError,
+    LockLost,
+    LockNotAcquired,
+    LockTableFull,
+    SchemaNotInstalled,
+    UnsupportedServer,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MAX_NAME_BYTES",
+    "DeadlockDetected",
+    "InvalidConnectionState",
+    "LockError",
+    "LockLost",
+    "LockNotAcquired",
+    "LockTableFull",
+    "PgLock",
+    "SchemaNotInstalled",
+    "UnsupportedServer",
+    "__version__",
+    "key",
+    "pg_lock",
+    "try_xact_lock",
+    "xact_lock",
+]
+
+# Public classes report the package as their home (repr, docs, pickling by reference).
+for _cls in (
+    DeadlockDetected,
+    InvalidConnectionState,
+    LockError,
+    LockLost,
+    LockNotAcquired,
+    LockTableFull,
+    PgLock,
+    SchemaNotInstalled,
+    UnsupportedServer,
+):
+    _cls.__module__ = "pglock"
+del _cls

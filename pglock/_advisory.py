@@ -1,0 +1,665 @@
+"""Advisory locks on a caller's connection: ``pg_lock`` (session level) and ``xact_lock``.
+
+Policy lives here; SQL lives in :mod:`pglock._sql`; talking to the connection in
+:mod:`pglock._conn`.
+
+Threads. A psycopg connection is one Postgres session, and Postgres grants a session every
+advisory lock it already holds. So pglock arbitrates between threads itself: per connection and
+key it records which threads hold the key (:class:`pglock._conn.KeyHold`). The session takes the
+key in Postgres once, for the first holder, and gives it back after the last one. A thread that
+already holds a key re-enters without any SQL (counted); another thread waits in-process, with
+the same timeout, before it ever reaches Postgres.
+
+Transactions. On an idle connection pglock runs its statements in its own short transaction
+(autocommit statements, or an implicit transaction it commits), so the connection stays idle.
+Inside the caller's open transaction it works under a savepoint, so a failed or timed-out
+attempt leaves that transaction usable, and ``SET LOCAL`` timeouts are undone.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import sql
+
+from . import _conn, _sql
+from ._conn import IDLE, INERROR, INTRANS, ConnState, Context, KeyHold, Target
+from ._keys import normalize_names, validate_flag, validate_timeout
+from .errors import InvalidConnectionState, LockError, LockLost, LockNotAcquired
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+logger = logging.getLogger("pglock.advisory")
+
+_DEFAULT: Any = object()
+
+
+def _ms(seconds: float) -> int:
+    # lock_timeout = 0 would mean "no timeout", so never round down to it.
+    return max(1, math.ceil(seconds * 1000))
+
+
+class PgLock:
+    """A session-level advisory lock on one or several names, on a caller's connection.
+
+    Use it as a context manager (``with pglock.pg_lock(conn, "account:1"):``) or call
+    :meth:`acquire` and :meth:`release`. The lock survives commits and rollbacks of the
+    caller's transactions and is released by :meth:`release`, at the end of the ``with``
+    block, or by Postgres when the session ends.
+
+    Several names are taken all-or-nothing, sorted by key, in one statement.
+
+    Thread safety: a ``PgLock`` handle belongs to the thread that acquired it; use one handle
+    per thread. Many threads may share one connection: pglock guarantees that two threads never
+    both hold an exclusive lock on the same name through it, although Postgres would grant it
+    to the session twice. A thread that holds a name may take it again (counted re-entry).
+    """
+
+    def __init__(
+        self,
+        conn: object,
+        names: str | Sequence[str],
+        *,
+        shared: bool = False,
+        timeout: float | None = None,
+    ) -> None:
+        pairs = normalize_names(names)
+        self._keys = [k for k, _ in pairs]
+        self._names = [n for _, n in pairs]
+        self._shared = validate_flag(shared, "shared")
+        self._timeout = validate_timeout(timeout)
+        self._target: Target = _conn.resolve(conn)
+        self._mutex = threading.Lock()
+        self._owner: threading.Thread | None = None
+
+    # -- introspection -----------------------------------------------------------------
+
+    @property
+    def names(self) -> list[str]:
+        """The names of this lock, sorted by key."""
+        return list(self._names)
+
+    @property
+    def keys(self) -> list[int]:
+        """The 64-bit keys of this lock's names, sorted."""
+        return list(self._keys)
+
+    @property
+    def shared(self) -> bool:
+        return self._shared
+
+    @property
+    def locked(self) -> bool:
+        """True while this handle holds the lock (as pglock believes; see :meth:`release`)."""
+        return self._owner is not None
+
+    def __repr__(self) -> str:
+        state = "locked" if self.locked else "unlocked"
+        mode = "shared" if self._shared else "exclusive"
+        return f"<pglock.PgLock {self._names!r} {mode} {state}>"
+
+    # -- acquire / release ---------------------------------------------------------------
+
+    def acquire(self, blocking: bool = True, timeout: float | None = _DEFAULT) -> bool:
+        """Take the lock; return True when held, False when not acquired in time.
+
+        :param blocking: False tries once (same as ``timeout=0``).
+        :param timeout: seconds to wait; ``None`` waits forever; omitted uses the timeout given
+            to :func:`pg_lock`.
+        :raises RuntimeError: this handle already holds the lock.
+        :raises pglock.InvalidConnectionState: closed connection or failed transaction.
+        :raises pglock.DeadlockDetected: Postgres chose this request to break a deadlock.
+        """
+        validate_flag(blocking, "blocking")
+        timeout = self._timeout if timeout is _DEFAULT else validate_timeout(timeout)
+        if not blocking:
+            if timeout not in (None, 0):
+                raise ValueError("can't specify a timeout for a non-blocking acquire")
+            timeout = 0.0
+        with self._mutex:
+            if self._owner is not None:
+                raise RuntimeError(
+                    f"this pg_lock handle for {self._names!r} is already held; create another "
+                    "pg_lock(...) to re-enter from the same thread"
+                )
+            ok = _acquire(
+                self._target,
+                self._keys,
+                self._names,
+                shared=self._shared,
+                timeout=timeout,
+            )
+            if ok:
+                self._owner = threading.current_thread()
+            return ok
+
+    def release(self) -> None:
+        """Release the lock.
+
+        :raises RuntimeError: the handle does not hold the lock.
+        :raises pglock.LockLost: the session no longer held the lock (the connection was
+            closed or terminated, or the lock was released behind pglock's back). The handle
+            is unlocked all the same.
+        """
+        with self._mutex:
+            owner = self._owner
+            if owner is None:
+                raise RuntimeError(f"release of an unlocked pg_lock {self._names!r}")
+            self._owner = None
+            _release(self._target.conn, self._keys, self._names, owner)
+
+    def __enter__(self) -> Self:
+        if not self.acquire():
+            raise LockNotAcquired(
+                self._names[0] if len(self._names) == 1 else ", ".join(self._names),
+                key=self._keys[0] if len(self._keys) == 1 else None,
+                timeout=self._timeout,
+            )
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if self._owner is None:
+            return
+        if exc is None:
+            self.release()
+            return
+        try:
+            self.release()
+        except Exception:
+            # Never mask the body's exception with a release problem.
+            logger.warning(
+                "releasing lock %r after the block raised %r failed", self._names, exc,
+                exc_info=True,
+            )
+
+
+def pg_lock(
+    conn: object,
+    names: str | Sequence[str],
+    *,
+    shared: bool = False,
+    timeout: float | None = None,
+) -> PgLock:
+    """A session-level advisory lock on ``conn``, as a context manager.
+
+    :param conn: a psycopg ``Connection``, or a SQLAlchemy ``Connection`` / ORM ``Session``
+        on the psycopg driver.
+    :param names: a lock name, or a list of names taken together (sorted by key, no deadlock).
+    :param shared: take a shared (read) lock; shared locks coexist and exclude exclusive ones.
+    :param timeout: ``None`` waits until acquired; ``0`` tries once; ``> 0`` waits that many
+        seconds. The ``with`` block raises :class:`pglock.LockNotAcquired` when not acquired;
+        :meth:`PgLock.acquire` returns False.
+    :raises TypeError: a name, the timeout or the connection has the wrong type.
+    :raises ValueError: an invalid name or timeout (checked before any SQL is sent).
+
+    Example::
+
+        with pglock.pg_lock(conn, "account:1", timeout=5):
+            charge(account=1)
+    """
+    return PgLock(conn, names, shared=shared, timeout=timeout)
+
+
+# --- transaction-level locks -------------------------------------------------------------
+
+
+def xact_lock(
+    conn: object,
+    names: str | Sequence[str],
+    *,
+    shared: bool = False,
+    timeout: float | None = None,
+) -> None:
+    """Take a transaction-level advisory lock, released when the caller's transaction ends.
+
+    There is no unlock: commit or roll back to release. A timed-out or failed attempt leaves
+    the caller's transaction usable (pglock works under a savepoint).
+
+    :param conn: a psycopg ``Connection`` in a transaction (or non-autocommit, where the
+        statement begins one as any psycopg statement does), a SQLAlchemy ``Connection`` or an
+        ORM ``Session`` (psycopg driver).
+    :raises pglock.LockNotAcquired: not acquired within ``timeout`` (``0``: held elsewhere).
+    :raises pglock.InvalidConnectionState: no transaction is open (autocommit), or the
+        transaction has failed, or another thread holds the name in this same transaction.
+
+    Example::
+
+        with session.begin():
+            pglock.xact_lock(session, "account:1")
+            session.execute(...)
+    """
+    pairs = normalize_names(names)
+    validate_flag(shared, "shared")
+    t = validate_timeout(timeout)
+    target = _conn.resolve(conn)
+    keys = [k for k, _ in pairs]
+    names_ = [n for _, n in pairs]
+    if not _xact_acquire(target, keys, names_, shared=shared, timeout=t):
+        raise LockNotAcquired(
+            names_[0] if len(names_) == 1 else ", ".join(names_),
+            key=keys[0] if len(keys) == 1 else None,
+            timeout=t,
+        )
+
+
+def try_xact_lock(conn: object, names: str | Sequence[str], *, shared: bool = False) -> bool:
+    """Try once to take a transaction-level advisory lock; True if taken.
+
+    See :func:`xact_lock`; this is ``timeout=0`` returning False instead of raising.
+    """
+    pairs = normalize_names(names)
+    validate_flag(shared, "shared")
+    target = _conn.resolve(conn)
+    return _xact_acquire(
+        target, [k for k, _ in pairs], [n for _, n in pairs], shared=shared, timeout=0.0
+    )
+
+
+# --- implementation ------------------------------------------------------------------------
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _reserve(
+    state: ConnState,
+    keys: Sequence[int],
+    names: Sequence[str],
+    me: threading.Thread,
+    shared: bool,
+    deadline: float | None,
+) -> list[int] | None:
+    """Wait until no other thread holds ``keys`` on this session in a conflicting mode, then
+    record ``me`` as a holder. Returns the keys the session must still take from Postgres, or
+    None on timeout. All keys are granted together: a thread never waits while holding some."""
+    mode = "s" if shared else "x"
+    with state.cond:
+        while True:
+            blocked = False
+            for k, n in zip(keys, names, strict=True):
+                hold = state.holds.get(k)
+                if hold is None:
+                    continue
+                if me in hold.owners:
+                    if hold.mode == "s" and mode == "x":
+                        raise LockError(
+                            f"this thread holds {n!r} shared and asks for it exclusive: "
+                            "upgrading a lock is not supported; release it first"
+                        )
+                    continue  # re-entry, counted
+                if hold.pending or hold.mode == "x" or mode == "x":
+                    blocked = True
+                    break
+            if not blocked:
+                break
+            remaining = _remaining(deadline)
+            if remaining == 0.0:
+                return None
+            state.cond.wait(remaining)
+        need: list[int] = []
+        for k in keys:
+            hold = state.holds.get(k)
+            if hold is None:
+                state.holds[k] = KeyHold(mode, {me: 1}, pending=True)
+                need.append(k)
+            else:
+                hold.owners[me] = hold.owners.get(me, 0) + 1
+        return need
+
+
+def _unreserve(state: ConnState, keys: Sequence[int], me: threading.Thread) -> list[int]:
+    """Drop one count of ``me`` from ``keys``; return the keys no thread holds any more.
+
+    Those stay recorded as pending (so other threads wait) until :func:`_settle` runs."""
+    with state.cond:
+        emptied: list[int] = []
+        for k in keys:
+            hold = state.holds.get(k)
+            if hold is None:
+                continue
+            owners = hold.owners
+            left = owners.get(me, 0) - 1
+            if left > 0:
+                owners[me] = left
+            else:
+                owners.pop(me, None)
+            if not owners:
+                hold.pending = True
+                emptied.append(k)
+        return emptied
+
+
+def _settle(state: ConnState, granted: Sequence[int], dropped: Sequence[int]) -> None:
+    with state.cond:
+        for k in granted:
+            hold = state.holds.get(k)
+            if hold is not None:
+                hold.pending = False
+        for k in dropped:
+            state.holds.pop(k, None)
+        state.cond.notify_all()
+
+
+def _acquire(
+    target: Target,
+    keys: list[int],
+    names: list[str],
+    *,
+    shared: bool,
+    timeout: float | None,
+) -> bool:
+    conn = target.conn
+    state = _conn.state_for(conn)
+    me = threading.current_thread()
+    deadline = _deadline(timeout)
+    need = _reserve(state, keys, names, me, shared, deadline)
+    if need is None:
+        return False
+    if not need:
+        logger.debug("re-entered %r", names)
+        return True
+    granted = False
+    try:
+        remaining = _remaining(deadline)
+        ctx = Context([names[keys.index(k)] for k in need], need, timeout)
+        granted = _session_lock(conn, state, need, ctx, shared=shared, timeout=remaining)
+    finally:
+        if not granted:
+            _unreserve(state, keys, me)
+            _settle(state, (), need)
+        else:
+            _settle(state, need, ())
+    if granted:
+        logger.debug("acquired %r (%s)", names, "shared" if shared else "exclusive")
+    return granted
+
+
+def _prepare(conn: psycopg.Connection[Any], state: ConnState) -> Any:
+    """Check the connection, flush deferred unlocks, probe the server once.
+
+    Returns the transaction status pglock found (IDLE or INTRANS)."""
+    status = _conn.check_usable(conn)
+    if state.deferred or not state.probed:
+        _in_own_transaction(conn, status, lambda: _housekeeping(conn, state))
+    return status
+
+
+def _housekeeping(conn: psycopg.Connection[Any], state: ConnState) -> None:
+    if state.deferred:
+        pending, state.deferred = state.deferred, []
+        for k, shared in pending:
+            _conn.run(conn, _sql.unlock([k], shared=shared))
+        logger.info("released %d deferred advisory lock(s)", len(pending))
+    if not state.probed:
+        _conn.probe(conn, state)
+
+
+def _in_own_transaction(conn: psycopg.Connection[Any], status: Any, fn: Any) -> Any:
+    """Run ``fn`` so that an idle non-autocommit connection is idle again afterwards."""
+    if status == IDLE and not conn.autocommit:
+        try:
+            result = fn()
+        except BaseException:
+            _safe_rollback(conn)
+            raise
+        conn.commit()
+        return result
+    return fn()
+
+
+def _safe_rollback(conn: psycopg.Connection[Any]) -> None:
+    if conn.closed or conn.broken:
+        return
+    try:
+        if conn.autocommit:
+            if conn.info.transaction_status != IDLE:
+                conn.execute("ROLLBACK")
+        else:
+            conn.rollback()
+    except psycopg.Error:
+        logger.debug("rollback after a failed attempt failed", exc_info=True)
+
+
+def _session_lock(
+    conn: psycopg.Connection[Any],
+    state: ConnState,
+    keys: list[int],
+    ctx: Context,
+    *,
+    shared: bool,
+    timeout: float | None,
+) -> bool:
+    status = _prepare(conn, state)
+    try_ = timeout == 0
+    lock = _sql.lock(keys, shared=shared, xact=False, try_=try_)
+    if status == INTRANS:
+        # In the caller's transaction: a savepoint keeps it usable if the attempt fails, and
+        # rolling back to it undoes SET LOCAL; session locks survive the rollback.
+        parts: list[sql.Composable] = [_sql.savepoint()]
+        if timeout:
+            parts.append(_sql.set_local_timeouts(_ms(timeout)))
+        parts += [lock, _sql.rollback_to_savepoint()]
+        undo = _sql.rollback_to_savepoint()
+    elif timeout and conn.autocommit:
+        parts = [
+            sql.SQL("BEGIN"),
+            _sql.set_local_timeouts(_ms(timeout)),
+            lock,
+            sql.SQL("COMMIT"),
+        ]
+        undo = None
+    elif timeout:
+        parts = [_sql.set_local_timeouts(_ms(timeout)), lock]
+        undo = None
+    else:
+        parts = [lock]
+        undo = None
+    stmt = sql.SQL("; ").join(parts)
+
+    own_tx = status == IDLE and not conn.autocommit
+    try:
+        rows = _conn.run(conn, stmt, ctx)
+        if own_tx:
+            conn.commit()
+    except BaseException as exc:
+        _after_failed_session_lock(conn, status, undo, keys, shared)
+        if isinstance(exc, LockNotAcquired):
+            return False
+        raise
+    if try_:
+        got = [k for k, ok in rows if ok]
+        if len(got) < len(keys):
+            if got:  # all-or-nothing: give back what was taken
+                _in_own_transaction(
+                    conn, status, lambda: _conn.run(conn, _sql.unlock(got, shared=shared))
+                )
+            return False
+    return True
+
+
+def _after_failed_session_lock(
+    conn: psycopg.Connection[Any],
+    status: Any,
+    undo: sql.Composed | None,
+    keys: list[int],
+    shared: bool,
+) -> None:
+    """Leave the caller's transaction as it was and hold nothing, after a failed attempt.
+
+    Postgres may have granted some keys (several names, or a grant racing the timeout or a
+    cancel): session locks survive the rollback, so look in pg_locks and undo them."""
+    if conn.closed or conn.broken:
+        return  # the session is gone, and its locks with it
+    try:
+        if undo is not None:
+            # The batch stopped inside pglock's savepoint (on success it is already gone).
+            if conn.info.transaction_status == INERROR:
+                _conn.run(conn, undo)
+        else:
+            _safe_rollback(conn)
+        undone = _in_own_transaction(
+            conn,
+            conn.info.transaction_status,
+            lambda: _conn.run(conn, _sql.unlock_if_held(keys, shared=shared)),
+        )
+        if undone:
+            logger.debug("undid %d lock(s) granted to a failed attempt", len(undone))
+    except psycopg.Error:
+        logger.warning("could not clean up after a failed lock attempt", exc_info=True)
+
+
+def _release(
+    conn: psycopg.Connection[Any],
+    keys: list[int],
+    names: list[str],
+    owner: threading.Thread,
+) -> None:
+    state = _conn.state_for(conn)
+    emptied = _unreserve(state, keys, owner)
+    if not emptied:
+        logger.debug("left re-entered %r", names)
+        return
+    by_mode: dict[bool, list[int]] = {}
+    with state.cond:
+        for k in emptied:
+            hold = state.holds.get(k)
+            by_mode.setdefault(hold is not None and hold.mode == "s", []).append(k)
+    try:
+        _session_unlock(conn, state, by_mode, names)
+    finally:
+        _settle(state, (), emptied)
+    logger.debug("released %r", names)
+
+
+def _session_unlock(
+    conn: psycopg.Connection[Any],
+    state: ConnState,
+    by_mode: dict[bool, list[int]],
+    names: list[str],
+) -> None:
+    if conn.closed or conn.broken:
+        raise LockLost(", ".join(names), reason="the connection was closed, so Postgres dropped it")
+    status = _conn.stable_status(conn)
+    if status == INERROR:
+        # Nothing can be sent in a failed transaction. Release at the next chance: the next
+        # pglock call on this connection, or the pool reset hook.
+        for shared, keys in by_mode.items():
+            state.deferred.extend((k, shared) for k in keys)
+        logger.warning(
+            "lock %r stays held until the failed transaction on its connection is rolled back "
+            "and pglock next uses the connection (or the pool reset hook runs)",
+            names,
+        )
+        return
+
+    def unlock_all() -> bool:
+        ok = True
+        for shared, keys in by_mode.items():
+            rows = _conn.run(conn, _sql.unlock(keys, shared=shared))
+            ok = ok and bool(rows[0][0])
+        return ok
+
+    try:
+        ok = _in_own_transaction(conn, status, unlock_all)
+    except psycopg.OperationalError as exc:
+        if conn.closed or conn.broken:
+            raise LockLost(
+                ", ".join(names), reason=f"the connection broke ({exc.sqlstate or exc})"
+            ) from exc
+        raise
+    if not ok:
+        raise LockLost(
+            ", ".join(names),
+            reason="the session no longer held it (released behind pglock's back, or the "
+            "connection was reset)",
+        )
+
+
+def _xact_acquire(
+    target: Target,
+    keys: list[int],
+    names: list[str],
+    *,
+    shared: bool,
+    timeout: float | None,
+) -> bool:
+    conn = target.conn
+    status = _conn.check_usable(conn)
+    if status == IDLE and conn.autocommit:
+        raise InvalidConnectionState(
+            "xact_lock needs an open transaction: this connection is in autocommit mode, so the "
+            "lock would be released as soon as it is taken; use 'with conn.transaction():' "
+            "(or pg_lock for a session-level lock)"
+        )
+    _conn.ensure_sqlalchemy_transaction(target)
+    state = _conn.state_for(conn)
+    me = threading.current_thread()
+    if not state.probed or state.deferred:
+        _housekeeping(conn, state)
+
+    with state.cond:
+        foreign = {
+            k: started for k, (who, started) in state.xact.items() if k in keys and who is not me
+        }
+    if foreign:
+        now = _conn.run(conn, _sql.TRANSACTION_START)[0][0]
+        clash = [names[keys.index(k)] for k, started in foreign.items() if started == now]
+        if clash:
+            raise InvalidConnectionState(
+                f"another thread holds {clash[0]!r} in this same transaction on this "
+                "connection; threads sharing one transaction cannot exclude each other, so use "
+                "one connection per thread"
+            )
+
+    try_ = timeout == 0
+    ctx = Context(names, keys, timeout)
+    parts: list[sql.Composable] = [_sql.savepoint()]
+    if timeout:
+        parts += [_sql.current_timeouts(), _sql.set_local_timeouts(_ms(timeout))]
+    parts += [_sql.TRANSACTION_START, _sql.lock(keys, shared=shared, xact=True, try_=try_)]
+    # One round trip in the common cases: the savepoint can be released in the same batch
+    # unless a partial multi-key try must be rolled back or SET LOCAL must be undone.
+    released = not timeout and not (try_ and len(keys) > 1)
+    if released:
+        parts.append(_sql.release_savepoint())
+    try:
+        results = _conn.run_all(conn, sql.SQL("; ").join(parts), ctx)
+    except BaseException as exc:
+        if not (conn.closed or conn.broken):
+            try:
+                _conn.run(conn, _sql.rollback_to_savepoint())
+            except psycopg.Error:
+                logger.warning("could not roll back to pglock's savepoint", exc_info=True)
+        if isinstance(exc, LockNotAcquired):
+            return False
+        raise
+    if try_ and not all(ok for _, ok in results[-1]):
+        if not released:
+            _conn.run(conn, _sql.rollback_to_savepoint())  # gives back the keys granted
+        return False
+    if not released:
+        tail: list[sql.Composable] = [_sql.release_savepoint()]
+        if timeout:
+            lock_timeout, statement_timeout = results[0][0]
+            tail.append(_sql.restore_timeouts(lock_timeout, statement_timeout))
+        _conn.run(conn, sql.SQL("; ").join(tail))
+    started = results[-2][0][0]
+    with state.cond:
+        for k in [k for k, (_, s) in state.xact.items() if s != started]:
+            del state.xact[k]
+        for k in keys:
+            state.xact[k] = (me, started)
+    logger.debug("acquired transaction lock %r", names)
+    return True

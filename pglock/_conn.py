@@ -1,0 +1,286 @@
+"""The one boundary between pglock and a caller's connection.
+
+* :func:`resolve` turns a psycopg ``Connection``, a SQLAlchemy ``Connection`` or an ORM
+  ``Session`` (psycopg driver) into the underlying psycopg connection, refusing anything else.
+* :func:`run` sends one statement (or a ``;``-joined batch) and translates Postgres errors
+  by SQLSTATE into pglock errors, in this one place.
+* :class:`ConnState` is pglock's per-connection bookkeeping, kept in a weak registry: which
+  keys pglock holds on that session, for which threads, and what it learned about the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg import sql
+from psycopg.pq import TransactionStatus
+
+from . import _sql
+from .errors import (
+    DeadlockDetected,
+    InvalidConnectionState,
+    LockNotAcquired,
+    LockTableFull,
+    UnsupportedServer,
+)
+
+logger = logging.getLogger("pglock")
+
+IDLE = TransactionStatus.IDLE
+INTRANS = TransactionStatus.INTRANS
+INERROR = TransactionStatus.INERROR
+ACTIVE = TransactionStatus.ACTIVE
+
+_ACCEPTED = (
+    "a psycopg (3) Connection, a SQLAlchemy Connection or an ORM Session using the "
+    "psycopg driver (postgresql+psycopg://)"
+)
+
+
+@dataclass
+class Target:
+    """A caller's connection object, resolved to the psycopg connection underneath."""
+
+    conn: psycopg.Connection[Any]
+    source: object
+    #: "psycopg", "sqlalchemy" or "session"
+    kind: str
+
+
+def resolve(obj: object) -> Target:
+    """Find the psycopg connection behind ``obj`` without sending any SQL.
+
+    :raises TypeError: ``obj`` is not a supported connection type.
+    :raises InvalidConnectionState: the connection is closed.
+    """
+    if isinstance(obj, psycopg.Connection):
+        return Target(_check_open(obj), obj, "psycopg")
+    if isinstance(obj, psycopg.AsyncConnection):
+        raise TypeError(
+            "pglock is synchronous: pass a psycopg.Connection, not a psycopg.AsyncConnection"
+        )
+    mod = type(obj).__module__
+    if mod.startswith("sqlalchemy"):
+        return _resolve_sqlalchemy(obj)
+    raise TypeError(f"expected {_ACCEPTED}; got {type(obj).__module__}.{type(obj).__qualname__}")
+
+
+def _resolve_sqlalchemy(obj: object) -> Target:
+    from sqlalchemy.engine import Connection, Engine
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+    from sqlalchemy.orm import Session
+
+    if isinstance(obj, (AsyncConnection, AsyncSession)):
+        raise TypeError(
+            "pglock is synchronous: pass a sync SQLAlchemy Connection or Session, "
+            f"not {type(obj).__name__}"
+        )
+    if isinstance(obj, Engine):
+        raise TypeError(
+            "pass a SQLAlchemy Connection or Session, not an Engine: a lock lives on one "
+            "connection (use pglock.pool_lock(engine, ...) to check one out for the lock)"
+        )
+    if isinstance(obj, Session):
+        from sqlalchemy.exc import UnboundExecutionError
+
+        try:
+            bind = obj.get_bind()
+        except UnboundExecutionError:
+            raise TypeError(
+                "the Session has no single bind (unbound, or bound to several engines); "
+                "pass session.connection(bind_arguments=...) instead"
+            ) from None
+        _check_dialect(bind.dialect)
+        sa_conn = obj.connection()
+        return Target(_check_open(_driver_connection(sa_conn)), obj, "session")
+    if isinstance(obj, Connection):
+        _check_dialect(obj.dialect)
+        if obj.closed or obj.invalidated:
+            raise InvalidConnectionState("the SQLAlchemy Connection is closed or invalidated")
+        return Target(_check_open(_driver_connection(obj)), obj, "sqlalchemy")
+    raise TypeError(f"expected {_ACCEPTED}; got {type(obj).__module__}.{type(obj).__qualname__}")
+
+
+def _check_dialect(dialect: Any) -> None:
+    if dialect.name != "postgresql" or dialect.driver != "psycopg":
+        raise TypeError(
+            "pglock needs SQLAlchemy's psycopg (3) driver on PostgreSQL (URLs like "
+            f"postgresql+psycopg://...); this engine uses {dialect.name}+{dialect.driver}"
+        )
+
+
+def _driver_connection(sa_conn: Any) -> psycopg.Connection[Any]:
+    raw = sa_conn.connection.driver_connection
+    if not isinstance(raw, psycopg.Connection):
+        raise TypeError(f"expected a psycopg connection under SQLAlchemy, got {type(raw)!r}")
+    return raw
+
+
+def _check_open(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
+    if conn.closed or conn.broken:
+        raise InvalidConnectionState("the connection is closed")
+    return conn
+
+
+def ensure_sqlalchemy_transaction(target: Target) -> None:
+    """Begin SQLAlchemy's own transaction on a Connection that has none yet (autobegin)."""
+    if target.kind == "sqlalchemy":
+        sa_conn: Any = target.source
+        if not sa_conn.in_transaction():
+            sa_conn.begin()
+
+
+def stable_status(conn: psycopg.Connection[Any]) -> TransactionStatus:
+    """The transaction status once any statement another thread is running has finished."""
+    status = conn.info.transaction_status
+    if status == ACTIVE:
+        with conn.lock:
+            status = conn.info.transaction_status
+    return status
+
+
+def check_usable(conn: psycopg.Connection[Any]) -> TransactionStatus:
+    status = stable_status(conn)
+    if conn.closed or conn.broken:
+        raise InvalidConnectionState("the connection is closed")
+    if status == INERROR:
+        raise InvalidConnectionState(
+            "the connection is in a failed transaction; roll it back before taking a lock"
+        )
+    return status
+
+
+# --- running SQL --------------------------------------------------------------------------
+
+
+@dataclass
+class Context:
+    """What a statement is about, so a translated error can say so."""
+
+    names: Sequence[str] = ()
+    keys: Sequence[int] = ()
+    timeout: float | None = None
+
+    @property
+    def name(self) -> str | None:
+        return self.names[0] if self.names else None
+
+    @property
+    def key(self) -> int | None:
+        return self.keys[0] if self.keys else None
+
+
+def run(
+    conn: psycopg.Connection[Any], stmt: sql.Composed | sql.SQL, ctx: Context | None = None
+) -> list[tuple[Any, ...]]:
+    """Execute ``stmt`` (one or several ``;``-joined statements) and return the rows of the
+    last statement that returns rows."""
+    results = run_all(conn, stmt, ctx)
+    return results[-1] if results else []
+
+
+def run_all(
+    conn: psycopg.Connection[Any], stmt: sql.Composed | sql.SQL, ctx: Context | None = None
+) -> list[list[tuple[Any, ...]]]:
+    """Execute ``stmt`` and return the rows of every statement that returns rows, in order.
+
+    Postgres errors that mean something for a lock become pglock errors here, by SQLSTATE."""
+    try:
+        with conn.cursor() as cur:
+            cur.execute(stmt)
+            results: list[list[tuple[Any, ...]]] = []
+            while True:
+                if cur.description is not None:
+                    results.append(cur.fetchall())
+                if not cur.nextset():
+                    return results
+    except psycopg.Error as exc:
+        translated = translate(exc, ctx or Context())
+        if translated is None:
+            raise
+        raise translated from exc
+
+
+def translate(exc: psycopg.Error, ctx: Context) -> Exception | None:
+    """Map a Postgres error to a pglock error by SQLSTATE (never by message text)."""
+    if isinstance(exc, (pg_errors.LockNotAvailable, pg_errors.QueryCanceled)):
+        return LockNotAcquired(ctx.name, key=ctx.key, timeout=ctx.timeout)
+    if isinstance(exc, pg_errors.DeadlockDetected):
+        return DeadlockDetected(ctx.name, key=ctx.key)
+    if isinstance(exc, pg_errors.OutOfMemory):  # 53200 "out of shared memory"
+        return LockTableFull(ctx.name, key=ctx.key)
+    return None
+
+
+# --- per-connection bookkeeping ----------------------------------------------------------
+
+
+@dataclass
+class KeyHold:
+    """pglock's holders of one key on one session.
+
+    The session holds the key in Postgres once, in ``mode``; threads share that hold.
+    """
+
+    mode: str  # "x" (exclusive) or "s" (shared)
+    owners: dict[threading.Thread, int] = field(default_factory=dict)  # thread -> re-entries
+    #: True while the first holder's statement is in flight; others wait for the outcome.
+    pending: bool = True
+
+
+class ConnState:
+    """pglock's knowledge about one psycopg connection (one Postgres session)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.holds: dict[int, KeyHold] = {}
+        self.probed = False
+        self.backend_pid: int | None = None
+        #: Session locks whose release could not be sent (failed transaction at exit).
+        self.deferred: list[tuple[int, bool]] = []
+        #: Transaction locks: key -> (thread, start of the transaction that holds it).
+        self.xact: dict[int, tuple[threading.Thread, Any]] = {}
+
+
+_registry: weakref.WeakKeyDictionary[psycopg.Connection[Any], ConnState] = (
+    weakref.WeakKeyDictionary()
+)
+_registry_lock = threading.Lock()
+
+
+def state_for(conn: psycopg.Connection[Any]) -> ConnState:
+    with _registry_lock:
+        state = _registry.get(conn)
+        if state is None:
+            state = _registry[conn] = ConnState()
+        return state
+
+
+def forget(conn: psycopg.Connection[Any]) -> ConnState | None:
+    """Drop pglock's bookkeeping for ``conn`` (its session locks were all released)."""
+    with _registry_lock:
+        return _registry.pop(conn, None)
+
+
+def probe(conn: psycopg.Connection[Any], state: ConnState) -> None:
+    """Once per connection: refuse a hot standby, and note the backend pid.
+
+    Run inside the caller's statement sequence (the caller handles the transaction).
+    """
+    rows = run(conn, _sql.PROBE)
+    in_recovery, pid = rows[0]
+    if in_recovery:
+        raise UnsupportedServer(
+            "this server is a hot standby (pg_is_in_recovery() is true): advisory locks on a "
+            "standby are local to it and coordinate nothing with the primary; connect to the "
+            "primary"
+        )
+    state.backend_pid = pid
+    state.probed = True

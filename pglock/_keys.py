@@ -1,0 +1,111 @@
+"""Lock names: validation and the name -> 64-bit key contract.
+
+The contract (stable across versions, processes and platforms)::
+
+    key(name) = int.from_bytes(sha256(name.encode("utf-8")).digest()[:8], "big", signed=True)
+
+Names are compared exactly: no case folding and no Unicode normalisation ("é" and "e\u0301"
+are different locks). A name is a non-empty ``str`` of at most :data:`MAX_NAME_BYTES` bytes in
+UTF-8, without NUL characters or lone surrogates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+#: The longest name accepted, in UTF-8 bytes. Lease names are a primary key and Postgres btree
+#: index rows are limited to about 2704 bytes, so the cap stays well below that.
+MAX_NAME_BYTES = 1024
+
+#: The longest wait pglock can hand to ``lock_timeout`` (Postgres takes INT_MAX milliseconds).
+MAX_TIMEOUT = 2_147_483.0
+
+def validate_name(name: object) -> str:
+    """Return ``name`` if it is a valid lock name, else raise ``TypeError``/``ValueError``."""
+    if not isinstance(name, str):
+        raise TypeError(f"a lock name must be a str, not {type(name).__name__}")
+    if not name:
+        raise ValueError("a lock name must not be empty")
+    if "\x00" in name:
+        raise ValueError("a lock name must not contain NUL (\\x00) characters")
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            "a lock name must be valid Unicode text (it contains a lone surrogate)"
+        ) from None
+    if len(encoded) > MAX_NAME_BYTES:
+        raise ValueError(
+            f"a lock name must be at most {MAX_NAME_BYTES} bytes in UTF-8, got {len(encoded)}"
+        )
+    return name
+
+
+def key(name: str) -> int:
+    """Return the signed 64-bit advisory-lock key of ``name``.
+
+    The first 8 bytes of the SHA-256 digest of the UTF-8 name, read big-endian and signed.
+    The same name gives the same key in every process, on every platform, in every version.
+
+    :raises TypeError: ``name`` is not a ``str``.
+    :raises ValueError: ``name`` is empty, too long, or contains NUL or lone surrogates.
+
+    >>> key("account:1") == key("account:1")
+    True
+    """
+    validate_name(name)
+    return _key(name)
+
+
+def _key(name: str) -> int:
+    return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big", signed=True)
+
+
+def normalize_names(names: object) -> list[tuple[int, str]]:
+    """Validate one name or several; return ``(key, name)`` pairs sorted by key, one per key.
+
+    Sorting by key gives every process the same acquisition order, so taking several names
+    at once cannot deadlock against another pglock caller taking an overlapping set.
+    """
+    if isinstance(names, str):
+        return [(_key(validate_name(names)), names)]
+    if isinstance(names, (bytes, bytearray, memoryview)):
+        raise TypeError("a lock name must be a str, not bytes; decode it first")
+    if not isinstance(names, (list, tuple, set, frozenset)):
+        raise TypeError(
+            "names must be a str or a list/tuple/set of str, "
+            f"not {type(names).__name__}"
+        )
+    if not names:
+        raise ValueError("at least one lock name is required")
+    by_key: dict[int, str] = {}
+    for n in names:
+        by_key.setdefault(_key(validate_name(n)), n)
+    return sorted(by_key.items())
+
+
+def validate_timeout(timeout: object, *, what: str = "timeout") -> float | None:
+    """Check a wait timeout: ``None`` (wait forever), ``0`` (try once) or a positive number."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(
+            f"{what} must be None or a number of seconds, not {type(timeout).__name__}"
+        )
+    value = float(timeout)
+    if math.isnan(value):
+        raise ValueError(f"{what} must be a number of seconds, not NaN")
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0 seconds (None waits forever), got {timeout!r}")
+    if math.isinf(value) or value > MAX_TIMEOUT:
+        raise ValueError(
+            f"{what} must be at most {MAX_TIMEOUT:.0f} seconds; use None to wait forever"
+        )
+    return value
+
+
+def validate_flag(value: object, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be True or False, not {type(value).__name__}")
+    return value

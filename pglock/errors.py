@@ -1,0 +1,173 @@
+"""The pglock exception tree.
+
+::
+
+    Exception
+     └── LockError                       root of everything pglock raises on purpose
+          ├── LockNotAcquired            also a TimeoutError: timeout elapsed, or fail-fast lost
+          ├── LockLost                   a held lock or lease is gone (expired, taken over,
+          │                              session ended, released behind pglock's back)
+          ├── DeadlockDetected           Postgres broke a deadlock by failing this waiter (40P01)
+          ├── LockTableFull              Postgres's shared lock table is exhausted (53200)
+          ├── InvalidConnectionState     the connection cannot take this lock now (closed,
+          │                              failed transaction, no transaction for a xact lock)
+          ├── UnsupportedServer          a hot standby, or a transaction-mode pooler in between
+          └── SchemaNotInstalled         the lease schema is missing; the message gives the fix
+
+Bad arguments raise the builtins ``ValueError`` and ``TypeError`` before any SQL is sent.
+
+Every error carries its context as attributes and pickles cleanly, so it survives a trip
+through ``multiprocessing`` or a task queue.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LockError(Exception):
+    """Root of every error that pglock raises on purpose."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Subclasses take keyword context; rebuild them from the same keywords.
+        return (_rebuild, (type(self), self.args, self.__dict__.copy()))
+
+
+def _rebuild(cls: type[LockError], args: tuple[Any, ...], state: dict[str, Any]) -> LockError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
+
+
+def _describe(name: str | None, key: int | None) -> str:
+    if name is not None:
+        return f"lock {name!r}"
+    if key is not None:
+        return f"lock key {key}"
+    return "lock"
+
+
+class LockNotAcquired(LockError, TimeoutError):
+    """The lock was not acquired: the timeout elapsed, or a fail-fast attempt found it taken.
+
+    :ivar name: the lock name (the first conflicting one for several names), or None.
+    :ivar key: the 64-bit key of ``name``, or None.
+    :ivar timeout: the timeout in seconds that was allowed (``0`` for fail-fast).
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        key: int | None = None,
+        timeout: float | None = None,
+        message: str | None = None,
+    ) -> None:
+        self.name = name
+        self.key = key
+        self.timeout = timeout
+        if message is None:
+            what = _describe(name, key)
+            if timeout is None:
+                message = f"could not acquire {what}"
+            elif timeout == 0:
+                message = f"could not acquire {what}: it is held by another session"
+            else:
+                message = f"could not acquire {what} within {timeout:.2f} s"
+        super().__init__(message)
+
+
+class LockLost(LockError):
+    """A lock or lease this process believed it held is no longer held.
+
+    :ivar name: the lock or lease name, or None.
+    :ivar reason: a short description of how it was lost.
+    """
+
+    def __init__(self, name: str | None = None, *, reason: str = "lost") -> None:
+        self.name = name
+        self.reason = reason
+        what = f"lock {name!r}" if name is not None else "lock"
+        super().__init__(f"{what} was lost: {reason}")
+
+
+class DeadlockDetected(LockError):
+    """Postgres detected a deadlock and failed this lock request (SQLSTATE 40P01).
+
+    pglock sorts the keys of a multi-name lock, so this only happens when locks are also taken
+    in another order (for example by raw SQL, or by nested ``pg_lock`` blocks in different orders).
+    """
+
+    def __init__(self, name: str | None = None, *, key: int | None = None) -> None:
+        self.name = name
+        self.key = key
+        super().__init__(f"deadlock detected while acquiring {_describe(name, key)}")
+
+
+class LockTableFull(LockError):
+    """Postgres's shared lock table is full (SQLSTATE 53200, "out of shared memory").
+
+    Release locks, or raise ``max_locks_per_transaction`` on the server.
+    """
+
+    def __init__(self, name: str | None = None, *, key: int | None = None) -> None:
+        self.name = name
+        self.key = key
+        super().__init__(
+            f"could not acquire {_describe(name, key)}: the server's lock table is full "
+            "(out of shared memory); release locks or raise max_locks_per_transaction"
+        )
+
+
+class InvalidConnectionState(LockError):
+    """The connection cannot be used for this operation in its current state.
+
+    For example: it is closed or broken, it is in a failed transaction (roll back first), or a
+    transaction-level lock was asked for on a connection that has no open transaction.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+class UnsupportedServer(LockError):
+    """The server cannot give the requested guarantee.
+
+    Raised for a hot standby (its advisory locks coordinate nothing with the primary) and for a
+    transaction-mode pooler such as PgBouncer between pglock and Postgres (session locks
+    would land on whichever server connection runs the next transaction).
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+
+class SchemaNotInstalled(LockError):
+    """The pglock schema (lease table and functions) is not installed in this database.
+
+    :ivar schema: the schema name that was looked for.
+    """
+
+    def __init__(self, schema: str, *, message: str | None = None) -> None:
+        self.schema = schema
+        super().__init__(
+            message
+            or (
+                f"the pglock schema {schema!r} is not installed in this database; install it "
+                f"with: pglock install --dsn <your DSN> --schema {schema}  "
+                "(or run 'alembic upgrade pglock@head' with pglock's migrations)"
+            )
+        )
+
+
+__all__ = [
+    "DeadlockDetected",
+    "InvalidConnectionState",
+    "LockError",
+    "LockLost",
+    "LockNotAcquired",
+    "LockTableFull",
+    "SchemaNotInstalled",
+    "UnsupportedServer",
+]
