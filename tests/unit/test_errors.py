@@ -69,12 +69,11 @@ SAMPLES: list[tuple[LockError, dict[str, object], str]] = [
 
 
 @pytest.mark.parametrize(
-    ("err", "attrs", "text"), SAMPLES, ids=[f"{type(e).__name__}-{i}" for i, (e, _, _) in
-                                            enumerate(SAMPLES)]
+    ("err", "attrs", "text"),
+    SAMPLES,
+    ids=[f"{type(e).__name__}-{i}" for i, (e, _, _) in enumerate(SAMPLES)],
 )
-def test_attributes_message_and_pickle(
-    err: LockError, attrs: dict[str, object], text: str
-) -> None:
+def test_attributes_message_and_pickle(err: LockError, attrs: dict[str, object], text: str) -> None:
     assert isinstance(err, LockError)
     assert str(err).startswith(text)
     for attr, value in attrs.items():
@@ -99,8 +98,14 @@ def test_pickle_keeps_cause_chain_free_and_module() -> None:
 def test_hierarchy() -> None:
     assert issubclass(LockNotAcquired, TimeoutError)
     assert issubclass(LockNotAcquired, LockError)
-    for cls in (LockLost, DeadlockDetected, LockTableFull, InvalidConnectionState,
-                UnsupportedServer, SchemaNotInstalled):
+    for cls in (
+        LockLost,
+        DeadlockDetected,
+        LockTableFull,
+        InvalidConnectionState,
+        UnsupportedServer,
+        SchemaNotInstalled,
+    ):
         assert issubclass(cls, LockError)
         assert not issubclass(cls, TimeoutError)
     assert issubclass(LockError, Exception)

@@ -48,7 +48,8 @@ def test_public_callables_have_docstrings() -> None:
 
 def test_no_public_name_left_out() -> None:
     public = {
-        n for n, v in vars(pglock).items()
+        n
+        for n, v in vars(pglock).items()
         if not n.startswith("_")
         and not inspect.ismodule(v)
         and not isinstance(v, __future__._Feature)
