@@ -153,14 +153,14 @@ def connect(pg_dsn: str, app_name: str) -> Iterator[Callable[..., psycopg.Connec
 
 
 @pytest.fixture(autouse=True)
-def _no_leaked_locks(request: pytest.FixtureRequest) -> Iterator[None]:
+def _no_leaked_locks(request: pytest.FixtureRequest, app_name: str) -> Iterator[None]:
     """Fail a database test that ends with an advisory lock still held by a test session
     that outlived the test (a pool or connection the test did not close)."""
+    dsn = request.getfixturevalue("pg_dsn") if "pg_dsn" in request.fixturenames else None
     yield
-    if "pg_dsn" not in request.fixturenames:
+    if dsn is None:
         return
-    dsn = request.getfixturevalue("pg_dsn")
-    leaked = held_advisory(dsn, request.getfixturevalue("app_name"))
+    leaked = held_advisory(dsn, app_name)
     if leaked:
         pytest.fail(f"test leaked advisory locks (pid, app, mode, key): {leaked}", pytrace=False)
 
