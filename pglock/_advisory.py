@@ -443,34 +443,36 @@ def _session_lock(
 ) -> bool:
     status = _prepare(conn, state)
     try_ = timeout == 0
-    lock = _sql.lock(keys, shared=shared, xact=False, try_=try_)
+    undo: sql.Composed | None = None
+    stmt: sql.Composed | None = None
     if status == INTRANS:
         # In the caller's transaction: a savepoint keeps it usable if the attempt fails, and
         # rolling back to it undoes SET LOCAL; session locks survive the rollback.
         parts: list[sql.Composable] = [_sql.savepoint()]
         if timeout:
             parts.append(_sql.set_local_timeouts(_ms(timeout)))
-        parts += [lock, _sql.rollback_to_savepoint()]
+        parts += [_sql.lock(keys, shared=shared, xact=False, try_=try_)]
+        parts += [_sql.rollback_to_savepoint()]
+        stmt = sql.SQL("; ").join(parts)
         undo = _sql.rollback_to_savepoint()
-    elif timeout and conn.autocommit:
-        parts = [
-            sql.SQL("BEGIN"),
-            _sql.set_local_timeouts(_ms(timeout)),
-            lock,
-            sql.SQL("COMMIT"),
-        ]
-        undo = None
     elif timeout:
-        parts = [_sql.set_local_timeouts(_ms(timeout)), lock]
-        undo = None
-    else:
-        parts = [lock]
-        undo = None
-    stmt = sql.SQL("; ").join(parts)
+        parts = [
+            _sql.set_local_timeouts(_ms(timeout)),
+            _sql.lock(keys, shared=shared, xact=False, try_=try_),
+        ]
+        if conn.autocommit:
+            parts = [sql.SQL("BEGIN"), *parts, sql.SQL("COMMIT")]
+        stmt = sql.SQL("; ").join(parts)
+    elif len(keys) > 1:
+        stmt = _sql.lock(keys, shared=shared, xact=False, try_=try_)
 
     own_tx = status == IDLE and not conn.autocommit
     try:
-        rows = _conn.run(conn, stmt, ctx)
+        if stmt is None:  # the common case: one key, no timeout, no transaction of the caller's
+            row = _conn.run_one(conn, _sql.LOCK_ONE[(False, shared, try_)], (keys[0],), ctx)
+            rows = [(keys[0], row[0] if row else None)]
+        else:
+            rows = _conn.run(conn, stmt, ctx)
         if own_tx:
             conn.commit()
     except BaseException as exc:
@@ -567,8 +569,12 @@ def _session_unlock(
     def unlock_all() -> bool:
         ok = True
         for shared, keys in by_mode.items():
-            rows = _conn.run(conn, _sql.unlock(keys, shared=shared))
-            ok = ok and bool(rows[0][0])
+            if len(keys) == 1:
+                row = _conn.run_one(conn, _sql.UNLOCK_ONE[shared], (keys[0],))
+            else:
+                rows = _conn.run(conn, _sql.unlock(keys, shared=shared))
+                row = rows[0] if rows else None
+            ok = ok and bool(row and row[0])
         return ok
 
     try:

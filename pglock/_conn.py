@@ -186,6 +186,21 @@ def run(
     return results[-1] if results else []
 
 
+def run_one(
+    conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...], ctx: Context | None = None
+) -> tuple[Any, ...] | None:
+    """Execute one fixed, parameterized statement from :mod:`pglock._sql`; return its first row.
+
+    The fast path for single-key statements (see ``_sql.LOCK_ONE``)."""
+    try:
+        return conn.execute(query, params).fetchone()
+    except psycopg.Error as exc:
+        translated = translate(exc, ctx or Context())
+        if translated is None:
+            raise
+        raise translated from exc
+
+
 def run_all(
     conn: psycopg.Connection[Any], stmt: sql.Composed | sql.SQL, ctx: Context | None = None
 ) -> list[list[tuple[Any, ...]]]:

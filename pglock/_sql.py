@@ -25,6 +25,18 @@ _LOCK_FUNCS = {
     (True, True, True): "pg_try_advisory_xact_lock_shared",
 }
 
+# Single-key statements as fixed, parameterized text: psycopg caches their conversion and
+# prepares them after a few executions, so the common uncontended cycle costs exactly what the
+# raw statements cost. (transaction-level, shared, try) -> query
+LOCK_ONE = {
+    flags: f"SELECT pg_catalog.{func}(%s)"
+    for flags, func in _LOCK_FUNCS.items()
+}
+UNLOCK_ONE = {
+    False: "SELECT pg_catalog.pg_advisory_unlock(%s)",
+    True: "SELECT pg_catalog.pg_advisory_unlock_shared(%s)",
+}
+
 PROBE = sql.SQL("SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.pg_backend_pid()")
 
 # Identifies the current transaction (its start time): transaction locks taken in it by one
