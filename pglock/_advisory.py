@@ -118,9 +118,12 @@ class PgLock:
         :raises pglock.DeadlockDetected: Postgres chose this request to break a deadlock.
         """
         validate_flag(blocking, "blocking")
-        timeout = self._timeout if timeout is _DEFAULT else validate_timeout(timeout)
+        explicit = timeout is not _DEFAULT
+        timeout = validate_timeout(timeout) if explicit else self._timeout
         if not blocking:
-            if timeout not in (None, 0):
+            # Like threading.Lock: an explicit timeout contradicts blocking=False; the default
+            # timeout given to pg_lock() does not.
+            if explicit and timeout not in (None, 0):
                 raise ValueError("can't specify a timeout for a non-blocking acquire")
             timeout = 0.0
         with self._mutex:
