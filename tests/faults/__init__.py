@@ -1,0 +1,17 @@
+"""pglock's fault suite (issue 6, shared/TESTING.md): killed, paused and cut-off holders,
+terminated backends, restarted servers, and the oracles that prove nothing was lost.
+
+Helpers:
+
+* :mod:`.cluster`: a throwaway Postgres cluster (own data directory, free port, own settings)
+  for restarts and server settings; never the shared server.
+* :mod:`.proxy`: a small threaded TCP proxy (pass, blackhole, reset, drop-responses) and
+  :class:`.netfilter.Blackhole`, which drops a connection's packets in the kernel (iptables).
+* :mod:`.procs` and ``holder.py``: lock holders in subprocesses, driven over pipes, which the
+  tests SIGKILL, SIGSTOP and SIGCONT.
+* :mod:`.oracles`: the lost-update counter and set, the overlap audit table, and the check
+  that ``pg_locks`` matches what pglock believes.
+* :mod:`.linearizability`: a small Wing-Gong-Lowe checker for mutex histories (T27).
+
+Scenario ids T01..T28 (shared/TESTING.md) are in the test names.
+"""

@@ -1,0 +1,251 @@
+"""A lock holder in its own process, driven over pipes (stdin/stdout, one JSON object a line).
+
+Run by :class:`faults.procs.Holder`; the test kills (SIGKILL), pauses (SIGSTOP) and resumes
+(SIGCONT) it. Every request gets exactly one reply ``{"ok": true, ...}`` or
+``{"ok": false, "error": "<exception class>", "message": "..."}``.
+
+Requests (``op``):
+
+``connect`` ``{dsn, autocommit}``
+    open the connection; replies ``pid`` (its backend pid).
+``lock`` ``{kind, name, timeout}``
+    take a lock of ``kind`` (see :data:`KINDS`) on the connection and keep it.
+``release`` ``{name}``
+    release it (session: ``release()``; transaction: ``commit``).
+``sql`` ``{sql, params}``
+    run a statement on the connection; replies ``rows``.
+``prepare`` / ``go``
+    the T01 workload: ``prepare`` opens ``threads`` pairs of connections (lock, oracle),
+    ``go`` runs ``iterations`` critical sections per thread and replies the acknowledged ids.
+``exit``
+    close and exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+
+import pglock
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from oracles import Oracle
+
+_out_lock = threading.Lock()
+
+
+def reply(obj: dict[str, Any]) -> None:
+    with _out_lock:
+        sys.stdout.write(json.dumps(obj, default=str) + "\n")
+        sys.stdout.flush()
+
+
+def error_reply(exc: BaseException) -> dict[str, Any]:
+    return {
+        "ok": False,
+        "error": type(exc).__name__,
+        "module": type(exc).__module__,
+        "message": str(exc),
+        "sqlstate": getattr(exc, "sqlstate", None),
+    }
+
+
+# --- lock kinds ---------------------------------------------------------------------------------
+# A kind is a context manager factory (conn, name, ctx) -> yields a fencing token or None.
+# ``ctx`` carries per-process resources (dsn, pools) that some kinds need.
+
+
+@contextlib.contextmanager
+def _none(conn: psycopg.Connection[Any], name: str, ctx: dict[str, Any]) -> Iterator[int | None]:
+    yield None
+
+
+@contextlib.contextmanager
+def _session(conn: psycopg.Connection[Any], name: str, ctx: dict[str, Any]) -> Iterator[int | None]:
+    with pglock.pg_lock(conn, name, timeout=ctx.get("timeout")):
+        yield None
+
+
+@contextlib.contextmanager
+def _xact(conn: psycopg.Connection[Any], name: str, ctx: dict[str, Any]) -> Iterator[int | None]:
+    with conn.transaction():
+        pglock.xact_lock(conn, name, timeout=ctx.get("timeout"))
+        yield None
+
+
+@contextlib.contextmanager
+def _lease(conn: psycopg.Connection[Any], name: str, ctx: dict[str, Any]) -> Iterator[int | None]:
+    lease = pglock.lease  # type: ignore[attr-defined]
+    with lease(ctx["source"], name, ttl=ctx.get("ttl", 30), timeout=ctx.get("timeout")) as held:
+        yield int(held.token)
+
+
+KINDS: dict[str, Callable[..., contextlib.AbstractContextManager[int | None]]] = {
+    "none": _none,
+    "session": _session,
+    "xact": _xact,
+    "lease": _lease,
+}
+
+
+# --- the T01 workload ---------------------------------------------------------------------------
+
+
+class Workload:
+    def __init__(self, req: dict[str, Any]) -> None:
+        self.req = req
+        self.oracle = Oracle(req["oracle"])
+        self.kind = KINDS[req["kind"]]
+        self.go = threading.Event()
+        self.acked: list[str] = []
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+        self.conns: list[tuple[psycopg.Connection[Any], psycopg.Connection[Any]]] = []
+        app = req["app"]
+        for _ in range(req["threads"]):
+            c = psycopg.connect(req["dsn"], autocommit=True, application_name=app)
+            o = psycopg.connect(req["dsn"], autocommit=True, application_name=app + ":oracle")
+            self.conns.append((c, o))
+        self.ctx: dict[str, Any] = {"source": req["dsn"], "timeout": req.get("timeout")}
+        if req.get("ttl"):
+            self.ctx["ttl"] = req["ttl"]
+        self.threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True)
+            for i in range(req["threads"])
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        conn, oconn = self.conns[i]
+        worker = f"{self.req['worker']}.{i}"
+        if not self.go.wait(60):
+            return
+        for n in range(self.req["iterations"]):
+            op_id = f"{worker}.{n}"
+            try:
+                with self.kind(conn, self.req["name"], self.ctx) as token:
+                    self.oracle.section(
+                        oconn, worker, op_id, token, self.req.get("max_sleep", 0.003)
+                    )
+                with self.lock:
+                    self.acked.append(op_id)
+            except Exception as exc:
+                with self.lock:
+                    self.errors.append(f"{op_id}: {type(exc).__name__}: {exc}")
+
+    def run(self) -> dict[str, Any]:
+        self.go.set()
+        for t in self.threads:
+            t.join(300)
+        for c, o in self.conns:
+            c.close()
+            o.close()
+        return {"ok": True, "acked": self.acked, "errors": self.errors}
+
+
+# --- the request loop ---------------------------------------------------------------------------
+
+
+class Holder:
+    def __init__(self) -> None:
+        self.conn: psycopg.Connection[Any] | None = None
+        self.locks: dict[str, Any] = {}
+        self.workload: Workload | None = None
+        self.stack = contextlib.ExitStack()
+
+    def handle(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = req["op"]
+        if op == "connect":
+            self.conn = psycopg.connect(
+                req["dsn"],
+                autocommit=req.get("autocommit", True),
+                application_name=req.get("app", "pglock-fault-holder"),
+            )
+            return {"ok": True, "pid": self.conn.info.backend_pid}
+        if op == "lock":
+            assert self.conn is not None
+            kind, name = req["kind"], req["name"]
+            if kind in ("session", "session_shared"):
+                lock = pglock.pg_lock(
+                    self.conn, name, shared=kind == "session_shared", timeout=req.get("timeout")
+                )
+                if not lock.acquire():
+                    return {"ok": False, "error": "LockNotAcquired", "message": "timeout"}
+                self.locks[name] = lock
+            elif kind == "xact":
+                if self.conn.autocommit:
+                    self.conn.execute("BEGIN")
+                pglock.xact_lock(self.conn, name, timeout=req.get("timeout"))
+                self.locks[name] = "xact"
+            else:
+                cm = KINDS[kind](
+                    self.conn,
+                    name,
+                    {
+                        "source": req.get("source"),
+                        "ttl": req.get("ttl"),
+                        "timeout": req.get("timeout"),
+                    },
+                )
+                token = self.stack.enter_context(cm)
+                self.locks[name] = cm
+                return {"ok": True, "token": token}
+            return {"ok": True}
+        if op == "release":
+            assert self.conn is not None
+            held = self.locks.pop(req["name"])
+            if held == "xact":
+                self.conn.commit() if not self.conn.autocommit else self.conn.execute("COMMIT")
+            elif isinstance(held, pglock.PgLock):
+                held.release()
+            else:
+                held.__exit__(None, None, None)
+            return {"ok": True}
+        if op == "sql":
+            assert self.conn is not None
+            cur = self.conn.execute(req["sql"], req.get("params"))
+            rows = cur.fetchall() if cur.description else []
+            return {"ok": True, "rows": rows}
+        if op == "prepare":
+            self.workload = Workload(req)
+            return {"ok": True}
+        if op == "go":
+            assert self.workload is not None
+            return self.workload.run()
+        if op == "ping":
+            return {"ok": True}
+        raise ValueError(f"unknown op {op!r}")
+
+
+def main() -> None:
+    holder = Holder()
+    reply({"ok": True, "ready": True, "pid": os.getpid()})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        if req["op"] == "exit":
+            reply({"ok": True})
+            break
+        try:
+            out = holder.handle(req)
+        except BaseException as exc:  # report everything; the test decides
+            out = error_reply(exc)
+            out["traceback"] = traceback.format_exc()
+        reply(out)
+    if holder.conn is not None:
+        with contextlib.suppress(Exception):
+            holder.conn.close()
+
+
+if __name__ == "__main__":
+    main()
