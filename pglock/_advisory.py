@@ -78,6 +78,8 @@ class PgLock:
         self._target: Target = _conn.resolve(conn)
         self._mutex = threading.Lock()
         self._owner: threading.Thread | None = None
+        # The bookkeeping the lock was taken under: a pool reset drops it and marks it lost.
+        self._state: ConnState | None = None
 
     # -- introspection -----------------------------------------------------------------
 
@@ -98,7 +100,8 @@ class PgLock:
     @property
     def locked(self) -> bool:
         """True while this handle holds the lock (as pglock believes; see :meth:`release`)."""
-        return self._owner is not None
+        state = self._state
+        return self._owner is not None and (state is None or state.lost is None)
 
     def __repr__(self) -> str:
         state = "locked" if self.locked else "unlocked"
@@ -141,6 +144,7 @@ class PgLock:
             )
             if ok:
                 self._owner = threading.current_thread()
+                self._state = _conn.state_for(self._target.conn)
             return ok
 
     def release(self) -> None:
@@ -156,6 +160,9 @@ class PgLock:
             if owner is None:
                 raise RuntimeError(f"release of an unlocked pg_lock {self._names!r}")
             self._owner = None
+            state, self._state = self._state, None
+            if state is not None and state.lost is not None:
+                raise LockLost(", ".join(self._names), reason=state.lost)
             _release(self._target.conn, self._keys, self._names, owner)
 
     def __enter__(self) -> Self:
@@ -445,6 +452,8 @@ def _session_lock(
     timeout: float | None,
 ) -> bool:
     status = _prepare(conn, state)
+    if state.pooler:
+        raise _conn.pooler_error(state)
     try_ = timeout == 0
     undo: sql.Composed | None = None
     stmt: sql.Composed | None = None

@@ -262,6 +262,12 @@ class ConnState:
         self.deferred: list[tuple[int, bool]] = []
         #: Transaction locks: key -> (thread, start of the transaction that holds it).
         self.xact: dict[int, tuple[threading.Thread, Any]] = {}
+        #: A pooler (PgBouncer and the like) sits between this connection and Postgres: the
+        #: server's pg_backend_pid() differs from the pid the connection announced at startup.
+        self.pooler = False
+        #: Set when this bookkeeping was dropped while handles still held locks (for example
+        #: the pool reset the connection): those handles raise LockLost with this reason.
+        self.lost: str | None = None
 
 
 _registry: weakref.WeakKeyDictionary[psycopg.Connection[Any], ConnState] = (
@@ -278,10 +284,18 @@ def state_for(conn: psycopg.Connection[Any]) -> ConnState:
         return state
 
 
-def forget(conn: psycopg.Connection[Any]) -> ConnState | None:
-    """Drop pglock's bookkeeping for ``conn`` (its session locks were all released)."""
+def forget(conn: psycopg.Connection[Any], *, lost: str | None = None) -> ConnState | None:
+    """Drop pglock's bookkeeping for ``conn`` (its session locks were all released).
+
+    ``lost`` is the reason that handles still believing they hold a lock on ``conn`` give
+    in their :class:`~pglock.LockLost`."""
     with _registry_lock:
-        return _registry.pop(conn, None)
+        state = _registry.pop(conn, None)
+    if state is not None and lost is not None:
+        with state.cond:
+            state.lost = lost
+            state.cond.notify_all()
+    return state
 
 
 def probe(conn: psycopg.Connection[Any], state: ConnState) -> None:
@@ -298,4 +312,21 @@ def probe(conn: psycopg.Connection[Any], state: ConnState) -> None:
             "primary"
         )
     state.backend_pid = pid
+    # PgBouncer (any mode) and other multiplexing poolers answer the startup with a cancel key
+    # of their own, so the pid the client was told differs from the server's. Comparing them
+    # costs nothing per lock: it is checked once, here.
+    state.pooler = pid != conn.info.backend_pid
     state.probed = True
+
+
+def pooler_error(state: ConnState) -> UnsupportedServer:
+    """The error for a session lock asked for through a connection pooler."""
+    return UnsupportedServer(
+        "a connection pooler (such as PgBouncer) sits between this connection and Postgres "
+        f"(the server session is pid {state.backend_pid}, the connection was told another): "
+        "session-level advisory locks need one server session for the whole hold, and "
+        "transaction or statement pooling hands each transaction to any server connection. "
+        "Use pglock.xact_lock (released at commit) or pglock.lease (TTL leases), which work "
+        "through a pooler, or connect to Postgres directly for session locks "
+        "(see docs/pgbouncer.md)"
+    )
