@@ -63,9 +63,10 @@ def cluster_connect(
 
     yield factory
     leaked: list[Any] = []
-    with contextlib.suppress(psycopg.OperationalError), psycopg.connect(
-        cluster.dsn(), autocommit=True, application_name="pglock-checker"
-    ) as obs:
+    with (
+        contextlib.suppress(psycopg.OperationalError),
+        psycopg.connect(cluster.dsn(), autocommit=True, application_name="pglock-checker") as obs,
+    ):
         leaked = held_by_app(obs, app_name)
     for c in opened:
         with contextlib.suppress(Exception):
