@@ -66,18 +66,23 @@ def resolve(obj: object) -> Target:
         raise TypeError(
             "pglock is synchronous: pass a psycopg.Connection, not a psycopg.AsyncConnection"
         )
-    mod = type(obj).__module__
-    if mod.startswith("sqlalchemy"):
+    if _from_module(obj, "sqlalchemy."):  # also user subclasses, e.g. of Session
         return _resolve_sqlalchemy(obj)
     raise TypeError(f"expected {_ACCEPTED}; got {type(obj).__module__}.{type(obj).__qualname__}")
 
 
+def _from_module(obj: object, prefix: str) -> bool:
+    """Is ``obj`` an instance of a class defined under ``prefix`` (or of a subclass of one)?"""
+    return any(c.__module__.startswith(prefix) for c in type(obj).__mro__)
+
+
 def _resolve_sqlalchemy(obj: object) -> Target:
     from sqlalchemy.engine import Connection, Engine
-    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
     from sqlalchemy.orm import Session
 
-    if isinstance(obj, (AsyncConnection, AsyncSession)):
+    # Not "import sqlalchemy.ext.asyncio": it raises ImportError without greenlet (optional
+    # since SQLAlchemy 2.1), and an async object exists only once that module is loaded.
+    if _from_module(obj, "sqlalchemy.ext.asyncio."):
         raise TypeError(
             "pglock is synchronous: pass a sync SQLAlchemy Connection or Session, "
             f"not {type(obj).__name__}"
