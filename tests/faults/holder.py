@@ -82,6 +82,20 @@ def _xact(conn: psycopg.Connection[Any], name: str, ctx: dict[str, Any]) -> Iter
 
 
 @contextlib.contextmanager
+def _raw_session(
+    conn: psycopg.Connection[Any], name: str, ctx: dict[str, Any]
+) -> Iterator[int | None]:
+    """Raw pg_advisory_lock, no pglock: the negative control for threads sharing a connection
+    (Postgres grants a session's lock again to every thread on it)."""
+    k = pglock.key(name)
+    conn.execute("SELECT pg_advisory_lock(%s)", (k,))
+    try:
+        yield None
+    finally:
+        conn.execute("SELECT pg_advisory_unlock(%s)", (k,))
+
+
+@contextlib.contextmanager
 def _lease(conn: psycopg.Connection[Any], name: str, ctx: dict[str, Any]) -> Iterator[int | None]:
     lease = pglock.lease  # type: ignore[attr-defined]
     with lease(ctx["source"], name, ttl=ctx.get("ttl", 30), timeout=ctx.get("timeout")) as held:
@@ -92,6 +106,7 @@ KINDS: dict[str, Callable[..., contextlib.AbstractContextManager[int | None]]] =
     "none": _none,
     "session": _session,
     "xact": _xact,
+    "raw_session": _raw_session,
     "lease": _lease,
 }
 
@@ -110,8 +125,11 @@ class Workload:
         self.lock = threading.Lock()
         self.conns: list[tuple[psycopg.Connection[Any], psycopg.Connection[Any]]] = []
         app = req["app"]
+        shared = None
+        if req.get("share_conn"):
+            shared = psycopg.connect(req["dsn"], autocommit=True, application_name=app)
         for _ in range(req["threads"]):
-            c = psycopg.connect(req["dsn"], autocommit=True, application_name=app)
+            c = shared or psycopg.connect(req["dsn"], autocommit=True, application_name=app)
             o = psycopg.connect(req["dsn"], autocommit=True, application_name=app + ":oracle")
             self.conns.append((c, o))
         self.ctx: dict[str, Any] = {"source": req["dsn"], "timeout": req.get("timeout")}

@@ -39,6 +39,7 @@ def run_workload(
     *,
     iterations: int = ITERATIONS,
     ttl: float | None = None,
+    share_conn: bool = False,
 ) -> tuple[Verdict, list[str]]:
     with psycopg.connect(cluster.dsn(), autocommit=True, application_name=app_name) as admin:
         oracle = Oracle.create(admin)
@@ -58,6 +59,7 @@ def run_workload(
                     iterations=iterations,
                     worker=f"p{i}",
                     ttl=ttl,
+                    share_conn=share_conn,
                     timeout=60,
                 )
             for p in procs:
@@ -101,3 +103,30 @@ def test_T01_negative_control_finds_lost_updates(
     assert verdict.counter < len(verdict.acked)
     assert verdict.overlaps > 0
     assert verdict.max_concurrency > 1
+
+
+def test_T05_threads_sharing_a_connection_in_every_process(
+    cluster: Cluster, holders: Callable[..., Holder], app_name: str, name: str
+) -> None:
+    """8 processes, each with 4 threads sharing ONE connection: pglock arbitrates the threads
+    of a session (Postgres would grant the session's lock to all of them) and Postgres the
+    sessions. Nothing may be lost."""
+    verdict, errors = run_workload(
+        cluster, holders, app_name, "session", name, iterations=12, share_conn=True
+    )
+    assert errors == []
+    assert verdict.clean, verdict.summary()
+    assert verdict.max_concurrency == 1
+
+
+def test_T05_negative_control_raw_locks_on_shared_connections(
+    cluster: Cluster, holders: Callable[..., Holder], app_name: str, name: str
+) -> None:
+    """Raw pg_advisory_lock on connections shared by threads: the oracle must see the
+    overlaps and lost updates that Postgres's per-session re-entrancy allows."""
+    verdict, errors = run_workload(
+        cluster, holders, app_name, "raw_session", name, iterations=6, share_conn=True
+    )
+    assert errors == []
+    assert verdict.overlaps > 0, verdict.summary()
+    assert verdict.lost, verdict.summary()
