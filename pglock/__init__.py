@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ._advisory import PgLock, pg_lock, try_xact_lock, xact_lock
 from ._keys import MAX_NAME_BYTES, key
+from ._pool import Locker, PoolLock, pool_lock, reset_connection
 from .errors import (
     DeadlockDetected,
     InvalidConnectionState,
@@ -29,12 +30,16 @@ __all__ = [
     "LockLost",
     "LockNotAcquired",
     "LockTableFull",
+    "Locker",
     "PgLock",
+    "PoolLock",
     "SchemaNotInstalled",
     "UnsupportedServer",
     "__version__",
     "key",
     "pg_lock",
+    "pool_lock",
+    "reset_connection",
     "try_xact_lock",
     "xact_lock",
 ]
@@ -47,7 +52,9 @@ for _cls in (
     LockLost,
     LockNotAcquired,
     LockTableFull,
+    Locker,
     PgLock,
+    PoolLock,
     SchemaNotInstalled,
     UnsupportedServer,
 ):

@@ -7,6 +7,13 @@ The contract (stable across versions, processes and platforms)::
 Names are compared exactly: no case folding and no Unicode normalisation ("é" and "e\u0301"
 are different locks). A name is a non-empty ``str`` of at most :data:`MAX_NAME_BYTES` bytes in
 UTF-8, without NUL characters or lone surrogates.
+
+Namespaces. ``Locker(source, namespace=ns)`` folds its namespace into every name: the name
+locked (and hashed) is ``f"{ns}:{name}"``, so ``Locker(pool, namespace="billing").lock("x")``
+and ``pg_lock(conn, "billing:x")`` are the same lock. A namespace follows the rules for names
+and must not contain ``":"``: the first ``":"`` of a namespaced name then separates the
+namespace, and two different namespaces can never produce the same full name. The full name
+must fit :data:`MAX_NAME_BYTES`.
 """
 
 from __future__ import annotations

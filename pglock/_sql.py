@@ -129,3 +129,19 @@ def unlock_if_held(keys: Sequence[int], *, shared: bool) -> sql.Composed:
 
 
 UNLOCK_ALL = sql.SQL("SELECT pg_catalog.pg_advisory_unlock_all()")
+
+# The pool reset hook: one round trip that reports which advisory locks the session still holds
+# (as "key" or "key shared"; two-int4 keys as "classid,objid") and then drops them all. The
+# aggregate subquery is not flattened, so it reads pg_locks completely before the outer
+# select list calls pg_advisory_unlock_all().
+UNLOCK_ALL_REPORTING = sql.SQL(
+    "SELECT s.held, pg_catalog.pg_advisory_unlock_all() FROM ("
+    " SELECT array_agg(CASE WHEN l.objsubid = 1"
+    "   THEN ((l.classid::bigint << 32) | l.objid::bigint)::text"
+    "   ELSE l.classid::text || ',' || l.objid::text END"
+    "   || CASE WHEN l.mode = 'ShareLock' THEN ' shared' ELSE '' END"
+    "   ORDER BY l.classid, l.objid) AS held"
+    " FROM pg_catalog.pg_locks l"
+    " WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid() AND l.granted"
+    ") s"
+)

@@ -1,0 +1,88 @@
+"""SQLAlchemy integration: release advisory locks when a pooled connection is checked in.
+
+:func:`pglock.pg_lock`, :func:`pglock.xact_lock` and :func:`pglock.try_xact_lock` accept a
+SQLAlchemy ``Connection`` or an ORM ``Session`` directly, and :func:`pglock.pool_lock` an
+``Engine``. What is supported:
+
+========================================  ==================================================
+``postgresql+psycopg://`` (psycopg 3)      supported: Engine, Connection, Session
+other PostgreSQL drivers (psycopg2,        ``TypeError``: pglock talks to the psycopg 3
+pg8000, asyncpg, ...), other databases     connection underneath
+``AsyncEngine``, ``AsyncConnection``,      ``TypeError``: pglock is synchronous
+``AsyncSession``
+========================================  ==================================================
+
+The safety net for pooled connections is :func:`release_on_checkin`: it hooks the pool's
+``reset`` event (SQLAlchemy 2.0+) so that a connection returned to the pool holding an
+advisory lock (taken by raw SQL, or a ``pg_lock`` block that was never left) has it released,
+with a WARNING naming the keys, before anyone else can check it out.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import psycopg
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from sqlalchemy.pool import Pool, PoolResetState
+
+from ._conn import IDLE, INERROR
+from ._pool import release_all
+
+__all__ = ["release_on_checkin"]
+
+logger = logging.getLogger("pglock.sqlalchemy")
+
+
+def _on_reset(dbapi_connection: Any, connection_record: Any, reset_state: PoolResetState) -> None:
+    if reset_state.terminate_only or not reset_state.asyncio_safe:
+        return  # the connection is being closed: Postgres drops its locks
+    raw = getattr(connection_record, "driver_connection", None) or dbapi_connection
+    if not isinstance(raw, psycopg.Connection) or raw.closed or raw.broken:
+        return
+    status = raw.info.transaction_status
+    if status == INERROR:
+        raw.rollback()  # the pool rolls back next anyway; nothing can run before that
+        status = IDLE
+    # In an open transaction the statement runs inside it (session locks are released at
+    # once all the same) and the pool's own reset ends it; if the connection was idle, end
+    # the transaction our statement began. An exception here makes SQLAlchemy invalidate
+    # the connection: it is never checked out again holding a lock.
+    release_all(raw, source="SQLAlchemy pool reset", end_own_transaction=status == IDLE)
+
+
+def release_on_checkin(engine_or_pool: Engine | Pool) -> None:
+    """Release every advisory lock a pooled connection still holds when it goes back to the
+    pool: the SQLAlchemy counterpart of :func:`pglock.reset_connection`.
+
+    Listens to the pool's ``reset`` event (SQLAlchemy 2.0+), which runs on every return to the
+    pool (``Connection.close()``, the end of ``with engine.connect()``, ``Session.close()``)
+    and for detached connections. One statement lists the session's advisory locks and calls
+    ``pg_advisory_unlock_all()``; leaked keys are logged at WARNING on ``pglock.pool``. If it
+    fails, SQLAlchemy invalidates the connection instead of pooling it. Calling it again for
+    the same engine does nothing.
+
+    :param engine_or_pool: a SQLAlchemy ``Engine`` (psycopg driver) or its ``Pool``.
+    :raises TypeError: not an ``Engine`` or ``Pool``, or an engine with another driver.
+
+    Example::
+
+        engine = sqlalchemy.create_engine("postgresql+psycopg://app@db/app")
+        pglock.sqlalchemy.release_on_checkin(engine)
+    """
+    if isinstance(engine_or_pool, Engine):
+        from ._conn import _check_dialect
+
+        _check_dialect(engine_or_pool.dialect)
+        target: Pool = engine_or_pool.pool
+    elif isinstance(engine_or_pool, Pool):
+        target = engine_or_pool
+    else:
+        raise TypeError(
+            "release_on_checkin expects a SQLAlchemy Engine or Pool, "
+            f"not {type(engine_or_pool).__name__}"
+        )
+    if not event.contains(target, "reset", _on_reset):
+        event.listen(target, "reset", _on_reset)
