@@ -16,11 +16,13 @@ import contextlib
 import json
 import os
 import statistics
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 from . import netfilter
 from .cluster import Cluster, ClusterUnavailable
@@ -83,6 +85,17 @@ def observer(pg_dsn: str) -> Iterator[psycopg.Connection[Any]]:
 
 
 @pytest.fixture
+def scratch(pg_dsn: str) -> Iterator[sql.Identifier]:
+    """A scratch table ``(v text)`` on the shared server, for writes whose fate a test checks."""
+    table = sql.Identifier(f"pglock_fault_{uuid.uuid4().hex[:10]}")
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(sql.SQL("CREATE TABLE {} (v text)").format(table))
+    yield table
+    with psycopg.connect(pg_dsn, autocommit=True) as c:
+        c.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(table))
+
+
+@pytest.fixture
 def holders() -> Iterator[Callable[..., Holder]]:
     """Factory of holder subprocesses; every one is closed (or killed) after the test.
 
@@ -115,15 +128,18 @@ class Bounds:
     def __init__(self, nodeid: str) -> None:
         self.nodeid = nodeid
 
-    def record(self, scenario: str, kind: str, what: str, seconds: float | list[float]) -> None:
+    def record(
+        self, scenario: str, kind: str, what: str, seconds: float | list[float], unit: str = "s"
+    ) -> None:
         values = seconds if isinstance(seconds, list) else [seconds]
         entry = {
             "scenario": scenario,
             "kind": kind,
             "what": what,
+            "unit": unit,
             "n": len(values),
-            "median_s": round(statistics.median(values), 4),
-            "max_s": round(max(values), 4),
+            "median": round(statistics.median(values), 4),
+            "max": round(max(values), 4),
             "test": self.nodeid,
         }
         _BOUNDS.append(entry)
@@ -144,7 +160,10 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         return
     terminalreporter.section("pglock measured fault bounds")
     for b in sorted(_BOUNDS, key=lambda b: (b["scenario"], b["kind"])):
-        terminalreporter.write_line(
-            f"{b['scenario']} {b['kind']:<16} {b['what']}: median {b['median_s']:.3f} s, "
-            f"max {b['max_s']:.3f} s (n={b['n']})"
-        )
+        if b["n"] == 1:
+            value = f"{b['median']:.3f} {b['unit']}"
+        else:
+            value = (
+                f"median {b['median']:.3f} {b['unit']}, max {b['max']:.3f} {b['unit']} (n={b['n']})"
+            )
+        terminalreporter.write_line(f"{b['scenario']} {b['kind']:<16} {b['what']}: {value}")

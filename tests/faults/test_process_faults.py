@@ -7,8 +7,7 @@ of the test process. Each test measures how long after the fault a waiter got th
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -24,17 +23,6 @@ from .procs import Holder
 from .waiter import Waiter
 
 Connect = Callable[..., psycopg.Connection[Any]]
-
-
-@pytest.fixture
-def scratch(pg_dsn: str) -> Iterator[sql.Identifier]:
-    """A table for writes whose fate the test checks."""
-    table = sql.Identifier(f"pglock_fault_{uuid.uuid4().hex[:10]}")
-    with psycopg.connect(pg_dsn, autocommit=True) as c:
-        c.execute(sql.SQL("CREATE TABLE {} (v text)").format(table))
-    yield table
-    with psycopg.connect(pg_dsn, autocommit=True) as c:
-        c.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(table))
 
 
 def start_holder(
