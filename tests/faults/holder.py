@@ -96,6 +96,13 @@ def _raw_session(
 
 
 @contextlib.contextmanager
+def _pool(conn: psycopg.Connection[Any], name: str, ctx: dict[str, Any]) -> Iterator[int | None]:
+    """pglock.pool_lock on the process's psycopg_pool pool (``conn`` is not used)."""
+    with pglock.pool_lock(ctx["pool"], name, timeout=ctx.get("timeout")):  # type: ignore[attr-defined]
+        yield None
+
+
+@contextlib.contextmanager
 def _lease(conn: psycopg.Connection[Any], name: str, ctx: dict[str, Any]) -> Iterator[int | None]:
     lease = pglock.lease  # type: ignore[attr-defined]
     with lease(ctx["source"], name, ttl=ctx.get("ttl", 30), timeout=ctx.get("timeout")) as held:
@@ -107,6 +114,7 @@ KINDS: dict[str, Callable[..., contextlib.AbstractContextManager[int | None]]] =
     "session": _session,
     "xact": _xact,
     "raw_session": _raw_session,
+    "pool": _pool,
     "lease": _lease,
 }
 
@@ -123,16 +131,29 @@ class Workload:
         self.acked: list[str] = []
         self.errors: list[str] = []
         self.lock = threading.Lock()
-        self.conns: list[tuple[psycopg.Connection[Any], psycopg.Connection[Any]]] = []
+        self.conns: list[tuple[Any, psycopg.Connection[Any]]] = []
         app = req["app"]
         shared = None
         if req.get("share_conn"):
             shared = psycopg.connect(req["dsn"], autocommit=True, application_name=app)
         for _ in range(req["threads"]):
-            c = shared or psycopg.connect(req["dsn"], autocommit=True, application_name=app)
+            c: Any = shared
+            if c is None and req["kind"] != "pool":  # pool_lock checks out its own
+                c = psycopg.connect(req["dsn"], autocommit=True, application_name=app)
             o = psycopg.connect(req["dsn"], autocommit=True, application_name=app + ":oracle")
             self.conns.append((c, o))
         self.ctx: dict[str, Any] = {"source": req["dsn"], "timeout": req.get("timeout")}
+        if req["kind"] == "pool":
+            from psycopg_pool import ConnectionPool
+
+            self.ctx["pool"] = ConnectionPool(
+                req["dsn"],
+                min_size=req["threads"],
+                max_size=req["threads"],
+                kwargs={"autocommit": True, "application_name": app},
+                reset=pglock.reset_connection,  # type: ignore[attr-defined]
+                open=True,
+            )
         if req.get("ttl"):
             self.ctx["ttl"] = req["ttl"]
         self.threads = [
@@ -165,8 +186,11 @@ class Workload:
         for t in self.threads:
             t.join(300)
         for c, o in self.conns:
-            c.close()
+            if c is not None:
+                c.close()
             o.close()
+        if "pool" in self.ctx:
+            self.ctx["pool"].close()
         return {"ok": True, "acked": self.acked, "errors": self.errors}
 
 

@@ -26,6 +26,8 @@ CLUSTER_SETTINGS = {"max_connections": 100}
 PROCS, THREADS, ITERATIONS = 8, 4, 25
 
 KINDS = ["session", "xact"]
+if hasattr(pglock, "pool_lock"):
+    KINDS.append("pool")
 if hasattr(pglock, "lease"):
     KINDS.append("lease")
 
