@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from ._advisory import PgLock, pg_lock, try_xact_lock, xact_lock
 from ._keys import MAX_NAME_BYTES, key
+from ._leader import LeaderElection, leader
 from ._pool import Locker, PoolLock, pool_lock, reset_connection
+from ._rwlock import RWLock, rwlock
+from ._singleton import Singleton, singleton
 from .errors import (
     DeadlockDetected,
     InvalidConnectionState,
@@ -26,6 +29,7 @@ __all__ = [
     "MAX_NAME_BYTES",
     "DeadlockDetected",
     "InvalidConnectionState",
+    "LeaderElection",
     "LockError",
     "LockLost",
     "LockNotAcquired",
@@ -33,13 +37,18 @@ __all__ = [
     "Locker",
     "PgLock",
     "PoolLock",
+    "RWLock",
     "SchemaNotInstalled",
+    "Singleton",
     "UnsupportedServer",
     "__version__",
     "key",
+    "leader",
     "pg_lock",
     "pool_lock",
     "reset_connection",
+    "rwlock",
+    "singleton",
     "try_xact_lock",
     "xact_lock",
 ]
@@ -48,6 +57,7 @@ __all__ = [
 for _cls in (
     DeadlockDetected,
     InvalidConnectionState,
+    LeaderElection,
     LockError,
     LockLost,
     LockNotAcquired,
@@ -55,7 +65,9 @@ for _cls in (
     Locker,
     PgLock,
     PoolLock,
+    RWLock,
     SchemaNotInstalled,
+    Singleton,
     UnsupportedServer,
 ):
     _cls.__module__ = "pglock"

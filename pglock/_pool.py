@@ -149,12 +149,14 @@ def _classify(source: object) -> str:
         )
     if mod.startswith("sqlalchemy"):
         from sqlalchemy.engine import Connection, Engine
-        from sqlalchemy.ext.asyncio import AsyncEngine
         from sqlalchemy.orm import Session
 
-        if isinstance(source, AsyncEngine):
+        # Not "import sqlalchemy.ext.asyncio": without greenlet (optional since SQLAlchemy
+        # 2.1) it raises ImportError, and an async object exists only once it is loaded.
+        if mod.startswith("sqlalchemy.ext.asyncio"):
             raise TypeError(
-                "pglock is synchronous: pass a sync SQLAlchemy Engine, not an AsyncEngine"
+                "pglock is synchronous: pass a sync SQLAlchemy Engine, "
+                f"not {type(source).__name__}"
             )
         if isinstance(source, (Connection, Session)):
             raise TypeError(
@@ -658,6 +660,70 @@ class Locker:
             on_lost=on_lost,
             resume=resume,
             schema=self._schema,
+        )
+
+    # -- coordination (issue 5): rwlock, singleton, leader, semaphore ----------------------
+
+    def rwlock(self, name: str) -> Any:
+        """A read-write lock on the namespaced ``name`` over this Locker's pool: see
+        :func:`pglock.rwlock`. ``read()``/``write()`` default to the Locker's timeout.
+
+        Example::
+
+            with locker.rwlock("config").read() as conn:
+                conn.execute("SELECT * FROM settings")
+        """
+        from ._rwlock import RWLock
+
+        return RWLock._for_locker(
+            self._connection_source, self.full_name(name), self._timeout, id(self)
+        )
+
+    def singleton(self, name: str, *, timeout: float | None = 0) -> Any:
+        """A decorator running a job only where no other process runs it: see
+        :func:`pglock.singleton` (``timeout=0`` skips at once; the Locker's default timeout
+        does not apply).
+
+        Example::
+
+            @locker.singleton("cron:daily-cleanup")
+            def daily_cleanup() -> None: ...
+        """
+        from ._rwlock import RWLock
+        from ._singleton import Singleton
+
+        lock = RWLock._for_locker(self._connection_source, self.full_name(name), None, id(self))
+        return Singleton(lock, validate_timeout(timeout))
+
+    def leader(
+        self,
+        name: str,
+        *,
+        on_elected: Callable[[], object] | None = None,
+        on_lost: Callable[[], object] | None = None,
+        check_interval: float = 1.0,
+        takeover_delay: float | None = None,
+        network_timeout: float = 5.0,
+    ) -> Any:
+        """A candidate in the leader election for the namespaced ``name``: see
+        :func:`pglock.leader`. It opens its own connection with this Locker's connection
+        parameters (the DSN, or those of the pool or engine).
+
+        Example::
+
+            with locker.leader("scheduler", on_elected=start, on_lost=stop) as election:
+                election.wait_elected()
+        """
+        from ._leader import LeaderElection
+
+        return LeaderElection(
+            self._dsn if self._dsn is not None else self._external,
+            self.full_name(name),
+            on_elected=on_elected,
+            on_lost=on_lost,
+            check_interval=check_interval,
+            takeover_delay=takeover_delay,
+            network_timeout=network_timeout,
         )
 
 

@@ -145,3 +145,72 @@ UNLOCK_ALL_REPORTING = sql.SQL(
     " WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid() AND l.granted"
     ") s"
 )
+
+
+# --- coordination (issue 5): read-write locks, leader election, singleton jobs, semaphores ---
+# Leader election keeps its session lock with pg_lock's statements above; these are its extras.
+
+
+def leader_session_setup(
+    keepalives_idle: int, keepalives_interval: int, keepalives_count: int, user_timeout_ms: int
+) -> sql.Composed:
+    """Session settings of a leader's dedicated connection.
+
+    The server-side TCP keepalives make the server end a silently vanished leader's session
+    (and so its lock) within about the same time the leader needs to notice; statement and
+    idle timeouts configured for the role must not cut the campaign's waits."""
+    return sql.SQL(
+        "SET tcp_keepalives_idle = {}; SET tcp_keepalives_interval = {}; "
+        "SET tcp_keepalives_count = {}; SET tcp_user_timeout = {}; "
+        "SET statement_timeout = 0; SET idle_in_transaction_session_timeout = 0"
+    ).format(
+        sql.Literal(keepalives_idle),
+        sql.Literal(keepalives_interval),
+        sql.Literal(keepalives_count),
+        sql.Literal(user_timeout_ms),
+    )
+
+
+LEADER_SESSION = sql.SQL(
+    "SELECT pg_catalog.pg_backend_pid(), a.backend_start, pg_catalog.pg_is_in_recovery()"
+    " FROM pg_catalog.pg_stat_activity a WHERE a.pid = pg_catalog.pg_backend_pid()"
+)
+
+
+def new_term(server_version: int) -> sql.Composed:
+    """A number larger than every term handed out before: the 64-bit id of a transaction that
+    starts after the lock was won. Transaction ids are assigned in increasing order and never
+    wrap in their 64-bit form; committing synchronously makes the id durable, so a crash
+    cannot hand it out again."""
+    xid = (
+        sql.SQL("pg_catalog.pg_current_xact_id()::text::bigint")
+        if server_version >= 130000
+        else sql.SQL("pg_catalog.txid_current()")
+    )
+    return sql.SQL("BEGIN; SET LOCAL synchronous_commit = on; SELECT {}; COMMIT").format(xid)
+
+
+def fence_wait(fence_key: int) -> sql.Composed:
+    """Wait until every transaction that passed the previous leader's guard has ended."""
+    return sql.SQL("BEGIN; SELECT pg_catalog.pg_advisory_xact_lock({}); COMMIT").format(
+        sql.Literal(fence_key)
+    )
+
+
+def leader_holds(key: int, pid: int, backend_start: object) -> sql.Composed:
+    """Does the session (pid, backend_start) hold the exclusive advisory lock ``key``?
+
+    ``backend_start`` guards against a reused pid; it reads NULL for another role's session
+    without pg_read_all_stats, and then the pid alone is checked."""
+    return sql.SQL(
+        "SELECT EXISTS ("
+        " SELECT 1 FROM pg_catalog.pg_locks l"
+        " WHERE l.locktype = 'advisory' AND l.pid = {pid} AND l.granted AND l.objsubid = 1"
+        " AND l.mode = 'ExclusiveLock'"
+        " AND l.database = (SELECT oid FROM pg_catalog.pg_database"
+        "                   WHERE datname = pg_catalog.current_database())"
+        " AND ((l.classid::bigint << 32) | l.objid::bigint) = {key}"
+        ") AND EXISTS ("
+        " SELECT 1 FROM pg_catalog.pg_stat_activity a WHERE a.pid = {pid}"
+        " AND (a.backend_start IS NULL OR a.backend_start = {start}))"
+    ).format(pid=sql.Literal(pid), key=sql.Literal(key), start=sql.Literal(backend_start))

@@ -1,0 +1,612 @@
+"""Leader election: one leader among many candidates, on a session advisory lock.
+
+Leadership is the exclusive session advisory lock on ``key(name)``, held on a connection that
+pglock opens for the candidate alone (never a pooled one, which could be reset or closed under
+it). Postgres ends the lock the moment that session ends, so a crashed leader is replaced at
+once; the candidate's background thread checks its session at least every ``check_interval``.
+
+Why a new leader waits before acting. Postgres grants the lock to the next candidate as soon as
+the old session ends, but the old leader may not know yet (its session was terminated, or the
+network path broke, or the process was paused). A candidate therefore believes in its
+leadership only for a *validity window* ``W`` after sending the last check that confirmed it
+(``is_leader`` reads False afterwards until the next check succeeds), and a new leader starts
+acting only ``takeover_delay`` (default ``W``) after winning the lock. The old leader's last
+confirmation was sent before its session ended, hence before the new grant; so its belief has
+run out before the new leader's begins, whatever made the old session end, as long as both
+machines' clocks run at the same rate. :meth:`LeaderElection.guard` adds a hard fence for
+writes to the same database; ``term`` is a fencing token for everything else.
+
+Terms are 64-bit transaction ids taken just after winning (``pg_current_xact_id()``), committed
+synchronously: they increase with every new leader, survive restarts, and need no schema.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import conninfo as pg_conninfo
+
+from . import _advisory, _conn, _sql
+from ._keys import _key, key, validate_name, validate_timeout
+from .errors import LockError, LockLost, LockNotAcquired, UnsupportedServer
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+logger = logging.getLogger("pglock.leader")
+
+#: Prefix of the derived name whose key fences a leader's guarded writes. Lock names cannot
+#: contain NUL, so no user lock can ever share this key.
+_FENCE_PREFIX = "pglock.leader-fence\x00"
+
+#: Keyword arguments of ``psycopg.Connection.connect`` that are not libpq parameters.
+_CONNECT_ONLY = frozenset(
+    {"autocommit", "prepare_threshold", "context", "row_factory", "cursor_factory"}
+)
+
+_MAX_INTERVAL = 3600.0
+
+
+# --- where the dedicated connection comes from ------------------------------------------------
+
+
+def describe_source(source: object) -> str:
+    return f"{type(source).__module__}.{type(source).__qualname__}"
+
+
+def check_dedicated_source(source: object) -> None:
+    """Refuse, before any I/O, a source that :func:`dedicated_conninfo` cannot use."""
+    if isinstance(source, str):
+        try:
+            pg_conninfo.conninfo_to_dict(source)
+        except psycopg.ProgrammingError as exc:
+            raise ValueError(f"invalid connection string: {exc}") from None
+        return
+    if isinstance(source, psycopg.Connection):
+        return
+    mod = type(source).__module__
+    if mod.startswith("psycopg_pool") and hasattr(source, "conninfo"):
+        if type(source).__name__.startswith("Async"):
+            raise TypeError("pglock is synchronous: pass a psycopg_pool.ConnectionPool")
+        return
+    if mod.startswith("sqlalchemy"):
+        from sqlalchemy.engine import Engine
+
+        if isinstance(source, Engine):
+            _conn._check_dialect(source.dialect)
+            return
+    raise TypeError(
+        "expected a connection string (DSN), a psycopg_pool.ConnectionPool, a SQLAlchemy "
+        "Engine (postgresql+psycopg://) or a psycopg Connection to copy connection "
+        f"parameters from; got {describe_source(source)}"
+    )
+
+
+def dedicated_conninfo(source: object, **extra: Any) -> str:
+    """A libpq connection string for a connection pglock opens and owns, built from ``source``.
+
+    * a DSN string is used as is;
+    * a ``psycopg_pool.ConnectionPool`` gives its ``conninfo`` and libpq ``kwargs``;
+    * a SQLAlchemy ``Engine`` lends one connection whose effective parameters (including
+      ``connect_args`` and the password) are copied;
+    * a psycopg ``Connection`` gives its parameters (it is not used itself).
+
+    ``extra`` parameters override those of the source.
+    """
+    check_dedicated_source(source)
+    if isinstance(source, str):
+        return pg_conninfo.make_conninfo(source, **extra)
+    if isinstance(source, psycopg.Connection):
+        return _from_connection(source, extra)
+    if type(source).__module__.startswith("psycopg_pool"):
+        pool: Any = source
+        kwargs = {k: v for k, v in (pool.kwargs or {}).items() if k not in _CONNECT_ONLY}
+        kwargs.update(extra)
+        return pg_conninfo.make_conninfo(pool.conninfo, **kwargs)
+    engine: Any = source
+    with engine.connect() as sa_conn:
+        raw = _conn._driver_connection(sa_conn)
+        return _from_connection(raw, extra)
+
+
+def _from_connection(conn: psycopg.Connection[Any], extra: dict[str, Any]) -> str:
+    params: dict[str, Any] = dict(conn.info.get_parameters())
+    if conn.info.password:
+        params["password"] = conn.info.password
+    params.update(extra)
+    return pg_conninfo.make_conninfo("", **params)
+
+
+# --- validation -------------------------------------------------------------------------------
+
+
+def _seconds(value: object, what: str, *, minimum: float, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds, not {type(value).__name__}")
+    v = float(value)
+    if math.isnan(v) or math.isinf(v):
+        raise ValueError(f"{what} must be a finite number of seconds, got {value!r}")
+    if allow_zero and v == 0:
+        return v
+    if v < minimum or v > _MAX_INTERVAL:
+        raise ValueError(
+            f"{what} must be between {minimum:g} and {_MAX_INTERVAL:g} seconds"
+            f"{' (or 0)' if allow_zero else ''}, got {value!r}"
+        )
+    return v
+
+
+def _callback(value: object, what: str) -> Callable[[], object] | None:
+    if value is not None and not callable(value):
+        raise TypeError(f"{what} must be a callable taking no arguments, or None")
+    return value
+
+
+def validity_window(check_interval: float) -> float:
+    """How long one successful check keeps ``is_leader`` true: the interval plus a margin of
+    half of it, at least 0.25 s and at most 1 s."""
+    return check_interval + min(1.0, max(0.25, check_interval / 2))
+
+
+# --- the election -----------------------------------------------------------------------------
+
+
+class LeaderElection:
+    """One candidate in the election for ``name``; the elected one is the leader.
+
+    Use it as a context manager (campaigns on entry, resigns on exit) or call :meth:`start`
+    and :meth:`resign`. A background thread keeps a dedicated connection, waits for the lock,
+    and, once leader, checks the session at least every ``check_interval`` seconds.
+
+    * ``is_leader``: True while this candidate leads *and* a check confirmed it within the
+      validity window (``check_interval`` plus up to 1 s); act as leader only while it is True.
+    * ``term``: a fencing token, larger for every new leader (a 64-bit transaction id).
+    * ``on_elected`` / ``on_lost``: called with no arguments, in order, on a separate thread:
+      every ``on_elected`` is followed by one ``on_lost`` (also after :meth:`resign`).
+    * :meth:`guard`: inside your write transaction, fails unless this candidate still leads,
+      and holds off the next leader until that transaction ends.
+
+    Bounds (see docs/leader.md): a new leader acts no sooner than ``takeover_delay`` after it
+    won the lock, and no later than ``check_interval + takeover_delay`` plus a round trip after
+    the old leader's session ended. The old leader's ``is_leader`` reads False within the
+    validity window of its last confirmation; ``on_lost`` runs when the loss is noticed: within
+    ``check_interval`` after a terminated session, within the validity window if the server
+    stops answering.
+
+    Thread safety: one object may be shared by threads; ``is_leader``, ``term``,
+    :meth:`wait_elected` and :meth:`guard` are safe to call from any thread.
+    """
+
+    def __init__(
+        self,
+        source: object,
+        name: str,
+        *,
+        on_elected: Callable[[], object] | None = None,
+        on_lost: Callable[[], object] | None = None,
+        check_interval: float = 1.0,
+        takeover_delay: float | None = None,
+        network_timeout: float = 5.0,
+    ) -> None:
+        self._name = validate_name(name)
+        self._key = key(name)
+        self._fence_key = _key(_FENCE_PREFIX + name)
+        check_dedicated_source(source)
+        self._source = source
+        self._on_elected = _callback(on_elected, "on_elected")
+        self._on_lost = _callback(on_lost, "on_lost")
+        self._interval = _seconds(check_interval, "check_interval", minimum=0.05)
+        self._window = validity_window(self._interval)
+        self._delay = (
+            self._window
+            if takeover_delay is None
+            else _seconds(takeover_delay, "takeover_delay", minimum=0.0, allow_zero=True)
+        )
+        self._network_timeout = _seconds(network_timeout, "network_timeout", minimum=1.0)
+
+        self._cond = threading.Condition(threading.Lock())
+        self._leader = False
+        self._valid_until = 0.0
+        self._term: int | None = None
+        self._session: tuple[int, Any] | None = None  # (pid, backend_start) while leader
+        self._events: collections.deque[tuple[str, int | None]] = collections.deque()
+        self._running = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._dispatcher: threading.Thread | None = None
+        self._conn: psycopg.Connection[Any] | None = None
+        self._conn_guard = threading.Lock()
+        self._pid_start: tuple[int, Any] | None = None
+        self._in_callback = False
+
+    # -- introspection -----------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def check_interval(self) -> float:
+        return self._interval
+
+    @property
+    def takeover_delay(self) -> float:
+        return self._delay
+
+    @property
+    def is_leader(self) -> bool:
+        """True while this candidate is the leader and a check confirmed it recently."""
+        with self._cond:
+            return self._leader and time.monotonic() < self._valid_until
+
+    @property
+    def term(self) -> int | None:
+        """The term of the current leadership, or of the last one this candidate held (so
+        ``on_lost`` can read which term ended); None before the first election."""
+        with self._cond:
+            return self._term
+
+    def __repr__(self) -> str:
+        state = "leader" if self.is_leader else ("candidate" if self._running else "idle")
+        return f"<pglock.LeaderElection {self._name!r} {state} term={self._term}>"
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> Self:
+        """Start campaigning in the background (no-op when already campaigning)."""
+        with self._cond:
+            if self._running:
+                return self
+            self._running = True
+            self._stop.clear()
+            self._events.clear()
+            self._thread = threading.Thread(
+                target=self._run, name=f"pglock-leader:{self._name}", daemon=True
+            )
+            self._dispatcher = threading.Thread(
+                target=self._dispatch, name=f"pglock-leader-events:{self._name}", daemon=True
+            )
+        self._dispatcher.start()
+        self._thread.start()
+        logger.debug("campaigning for %r", self._name)
+        return self
+
+    def resign(self) -> None:
+        """Stop campaigning; if leader, step down: ``is_leader`` turns False, ``on_lost``
+        runs, and only then is the lock released. Returns when that is done (at once when
+        called from a callback, which cannot wait for itself). :meth:`start` may campaign
+        again afterwards."""
+        with self._cond:
+            if not self._running:
+                return
+            thread, dispatcher = self._thread, self._dispatcher
+        self._stop.set()
+        self._cancel_inflight()
+        with self._cond:
+            self._cond.notify_all()
+        me = threading.current_thread()
+        if me is thread or me is dispatcher:
+            return  # from a callback: the threads finish once it returns
+        join_for = self._network_timeout + self._interval + 10.0
+        for t in (thread, dispatcher):
+            if t is not None:
+                t.join(join_for)
+                if t.is_alive():
+                    logger.warning("%s did not stop in time", t.name)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.resign()
+
+    def wait_elected(self, timeout: float | None = None) -> bool:
+        """Block until this candidate is the leader; False on timeout or after resign.
+
+        :raises RuntimeError: the election was not started.
+        """
+        t = validate_timeout(timeout)
+        deadline = None if t is None else time.monotonic() + t
+        with self._cond:
+            if not self._running:
+                raise RuntimeError("the election is not running: call start() or use 'with'")
+            while True:
+                if self._leader and time.monotonic() < self._valid_until:
+                    return True
+                if not self._running or self._stop.is_set():
+                    return False
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+
+    # -- fencing -----------------------------------------------------------------------
+
+    def guard(self, conn: object) -> int:
+        """Check, inside the caller's open transaction on ``conn``, that this candidate still
+        leads; return the term. Until that transaction ends, a new leader cannot start (it
+        waits for guarded transactions before its first ``is_leader``), so the transaction's
+        writes are never interleaved with the next leader's.
+
+        :param conn: a psycopg Connection (in a transaction, or not in autocommit), or a
+            SQLAlchemy Connection / Session, on the same database.
+        :raises pglock.LockLost: this candidate is not (or no longer) the leader.
+        :raises pglock.InvalidConnectionState: no open transaction, or a failed one.
+
+        Example::
+
+            with conn.transaction():
+                election.guard(conn)
+                conn.execute("UPDATE jobs SET ...")
+        """
+        target = _conn.resolve(conn)
+        with self._cond:
+            leading = self._leader and time.monotonic() < self._valid_until
+            session, term = self._session, self._term
+        if not leading or session is None or term is None:
+            raise LockLost(self._name, reason="this candidate is not the leader")
+        label = f"{self._name} (leader fence)"
+        if not _advisory._xact_acquire(
+            target, [self._fence_key], [label], shared=True, timeout=None
+        ):  # pragma: no cover - timeout=None waits
+            raise LockNotAcquired(label)
+        rows = _conn.run(target.conn, _sql.leader_holds(self._key, *session))
+        if not rows[0][0]:
+            raise LockLost(
+                self._name, reason=f"the leader's session no longer holds the lock (term {term})"
+            )
+        with self._cond:
+            if self._term != term or not self._leader:
+                raise LockLost(self._name, reason=f"leadership of term {term} ended")
+        return term
+
+    # -- background: campaign and checks -----------------------------------------------
+
+    def _run(self) -> None:
+        failures = 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    if self._conn is None:
+                        self._open()
+                    self._campaign_and_lead()
+                    failures = 0
+                except _Stopped:
+                    break
+                except _TermOver:
+                    self._close()
+                except (psycopg.Error, LockError, OSError) as exc:
+                    self._lose(f"the connection failed: {exc}")
+                    self._close()
+                    failures += 1
+                    level = logging.WARNING if failures == 1 else logging.DEBUG
+                    logger.log(level, "leader election %r: %s", self._name, exc)
+                    # Jittered backoff, never longer than one check interval.
+                    pause = min(self._interval, 0.05 * 2 ** min(failures, 8))
+                    self._stop.wait(pause * random.uniform(0.5, 1.0))
+        except BaseException:  # pragma: no cover - a bug: never die silently
+            logger.exception("leader election %r stopped on an unexpected error", self._name)
+            raise
+        finally:
+            self._lose("resigned" if self._stop.is_set() else "the campaign stopped")
+            self._await_callbacks()
+            self._close()
+            with self._cond:
+                self._running = False
+                self._cond.notify_all()
+
+    def _await_callbacks(self) -> None:
+        # On resign, let on_lost finish before the lock goes to the next leader.
+        if threading.current_thread() is self._dispatcher:  # pragma: no cover - defensive
+            return
+        with self._cond:
+            self._cond.wait_for(
+                lambda: not self._events and not self._in_callback,
+                self._network_timeout + self._interval + 5.0,
+            )
+
+    def _open(self) -> None:
+        idle = max(1, round(self._network_timeout / 2))
+        count = max(1, math.ceil(self._network_timeout) - idle)
+        params: dict[str, Any] = {
+            "keepalives": 1,
+            "keepalives_idle": idle,
+            "keepalives_interval": 1,
+            "keepalives_count": count,
+            "tcp_user_timeout": int(self._network_timeout * 1000),
+        }
+        info = dedicated_conninfo(self._source, **params)
+        given = pg_conninfo.conninfo_to_dict(info)
+        if "connect_timeout" not in given:
+            info = pg_conninfo.make_conninfo(
+                info, connect_timeout=max(2, math.ceil(self._network_timeout))
+            )
+        if "application_name" not in given:
+            info = pg_conninfo.make_conninfo(info, application_name="pglock-leader")
+        conn = psycopg.connect(info, autocommit=True)
+        try:
+            _conn.run(
+                conn,
+                _sql.leader_session_setup(idle, 1, count, int(self._network_timeout * 1000)),
+            )
+            pid, started, in_recovery = _conn.run(conn, _sql.LEADER_SESSION)[0]
+            if in_recovery:
+                raise UnsupportedServer(
+                    "this server is a hot standby: advisory locks on it coordinate nothing; "
+                    "leader election needs the primary"
+                )
+        except BaseException:
+            conn.close()
+            raise
+        with self._conn_guard:
+            self._conn = conn
+        self._pid_start = (pid, started)
+
+    def _close(self) -> None:
+        with self._conn_guard:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # pragma: no cover - closing a broken socket
+                logger.debug("closing the leader connection failed", exc_info=True)
+
+    def _cancel_inflight(self) -> None:
+        with self._conn_guard:
+            conn = self._conn
+            if conn is None or conn.closed:
+                return
+            try:
+                conn.cancel_safe(timeout=2.0)
+            except Exception:
+                logger.debug("cancelling the leader's statement failed", exc_info=True)
+
+    def _campaign_and_lead(self) -> None:
+        conn = self._conn
+        assert conn is not None
+        lock = _advisory.PgLock(conn, self._name)
+        if not lock.acquire(timeout=self._interval):
+            return  # not granted within one interval: a round trip proved the session alive
+        won = time.monotonic()
+        if self._stop.is_set():
+            raise _Stopped
+        term = _conn.run(conn, _sql.new_term(conn.info.server_version))[0][0]
+        # Transactions that passed the previous leader's guard finish before this one leads.
+        _conn.run(conn, _sql.fence_wait(self._fence_key))
+        logger.debug("won the lock for %r (term %d); waiting out the takeover delay", self._name,
+                     term)
+        if self._stop.wait(max(0.0, won + self._delay - time.monotonic())):
+            raise _Stopped
+        sent = self._confirm(conn)
+        with self._cond:
+            self._leader = True
+            self._term = term
+            self._session = self._pid_start
+            self._valid_until = sent + self._window
+            self._events.append(("elected", term))
+            self._cond.notify_all()
+        logger.info("elected leader of %r (term %d)", self._name, term)
+        while True:
+            if self._stop.wait(max(0.0, sent + self._interval - time.monotonic())):
+                raise _Stopped
+            sent = self._confirm(conn)
+            with self._cond:
+                if not self._leader:
+                    # The validity window ran out before this check came back: that term is
+                    # over. Drop the session (and the lock with it) and campaign afresh.
+                    raise _TermOver
+                self._valid_until = sent + self._window
+
+    def _confirm(self, conn: psycopg.Connection[Any]) -> float:
+        sent = time.monotonic()
+        rows = _conn.run(conn, _sql.held_advisory([self._key], shared=False))
+        if not rows:
+            raise LockLost(self._name, reason="the session no longer holds the leader lock")
+        return sent
+
+    def _lose(self, reason: str) -> None:
+        with self._cond:
+            if not self._leader:
+                return
+            self._leader = False
+            self._session = None
+            self._events.append(("lost", None))
+            self._cond.notify_all()
+            term = self._term
+        log = logger.info if reason == "resigned" else logger.warning
+        log("leadership of %r (term %s) ended: %s", self._name, term, reason)
+
+    # -- background: callbacks and the validity watchdog -------------------------------
+
+    def _dispatch(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._events:
+                        kind, _ = self._events.popleft()
+                        break
+                    if self._leader and time.monotonic() >= self._valid_until:
+                        self._leader = False
+                        self._session = None
+                        kind = "lost"
+                        logger.warning(
+                            "leadership of %r (term %s) could not be confirmed within %.2f s; "
+                            "stepping down", self._name, self._term, self._window,
+                        )
+                        break
+                    if not self._running:
+                        return
+                    timeout = (
+                        max(0.0, self._valid_until - time.monotonic()) if self._leader else None
+                    )
+                    self._cond.wait(timeout)
+                self._in_callback = True
+            callback = self._on_elected if kind == "elected" else self._on_lost
+            try:
+                if callback is not None:
+                    callback()
+            except Exception:
+                logger.exception(
+                    "the on_%s callback of leader election %r raised", kind, self._name
+                )
+            finally:
+                with self._cond:
+                    self._in_callback = False
+                    self._cond.notify_all()
+
+
+class _Stopped(LockError):
+    """Internal: the campaign was asked to stop."""
+
+
+class _TermOver(LockError):
+    """Internal: the validity window expired while a check was in flight."""
+
+
+def leader(
+    source: object,
+    name: str,
+    *,
+    on_elected: Callable[[], object] | None = None,
+    on_lost: Callable[[], object] | None = None,
+    check_interval: float = 1.0,
+    takeover_delay: float | None = None,
+    network_timeout: float = 5.0,
+) -> LeaderElection:
+    """A candidate in the leader election ``name``; see :class:`LeaderElection`.
+
+    :param source: where to connect: a DSN, a ``psycopg_pool.ConnectionPool``, a SQLAlchemy
+        ``Engine`` or a psycopg ``Connection`` (its parameters are copied: pglock opens one
+        dedicated connection per candidate and never uses a pooled one).
+    :param check_interval: seconds between checks of the leader's session (default 1).
+    :param takeover_delay: seconds a new leader waits after winning before it acts; default
+        the validity window, which keeps the old and new leader's ``is_leader`` apart.
+    :param network_timeout: seconds of silence after which the connection counts as dead
+        (libpq TCP keepalives and ``tcp_user_timeout``; also set on the server side).
+    :raises TypeError, ValueError: bad arguments, before any I/O.
+
+    Example::
+
+        with pglock.leader(dsn, "scheduler", on_elected=start, on_lost=stop) as election:
+            while running:
+                if election.is_leader:
+                    run_scheduled_jobs()
+                time.sleep(1)
+    """
+    return LeaderElection(
+        source,
+        name,
+        on_elected=on_elected,
+        on_lost=on_lost,
+        check_interval=check_interval,
+        takeover_delay=takeover_delay,
+        network_timeout=network_timeout,
+    )

@@ -1,0 +1,214 @@
+"""Read-write locks: many readers or one writer, on Postgres shared/exclusive advisory locks.
+
+A reader takes the session advisory lock on ``key(name)`` in shared mode, a writer in
+exclusive mode, through :func:`pglock.pg_lock` (a connection in hand) or
+:func:`pglock.pool_lock` (a pool or engine). The fairness is Postgres's lock queue: a request
+that conflicts with a *waiting* request queues behind it, so a reader that arrives while a
+writer waits does not overtake it, and a steady stream of readers cannot starve a writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import Any
+
+import psycopg
+
+from . import _pool
+from ._advisory import PgLock
+from ._keys import key, validate_name, validate_timeout
+from ._pool import PoolLock
+from .errors import LockError
+
+_DEFAULT: Any = object()
+
+_ACCEPTED = (
+    "a psycopg Connection, a SQLAlchemy Connection or Session (psycopg driver), "
+    "a psycopg_pool.ConnectionPool or a SQLAlchemy Engine"
+)
+
+# (id of the pool/engine, key) pairs the current thread holds through pooled connections.
+_pooled_holds = threading.local()
+
+
+def _classify(source: object) -> str:
+    """``"conn"`` (lock on this connection) or ``"pool"`` (check one out); no I/O."""
+    if isinstance(source, psycopg.Connection):
+        return "conn"
+    mod = type(source).__module__
+    if mod.startswith("sqlalchemy"):
+        from sqlalchemy.engine import Connection
+        from sqlalchemy.orm import Session
+
+        if isinstance(source, (Connection, Session)):
+            return "conn"
+    if mod.startswith(("psycopg_pool", "sqlalchemy")):
+        _pool._classify(source)  # refuses async pools and engines, other drivers
+        return "pool"
+    if isinstance(source, str):
+        raise TypeError(
+            "a DSN is not accepted here: a lock lives on a connection; pass a connection or a "
+            "pool, or use pglock.Locker(dsn), which keeps a pool"
+        )
+    raise TypeError(f"expected {_ACCEPTED}; got {type(source).__module__}."
+                    f"{type(source).__qualname__}")
+
+
+class _Hold:
+    """One acquisition of a name in one mode; ``with`` yields the connection holding it."""
+
+    def __init__(
+        self,
+        factory: Callable[[bool, float | None], Any],
+        kind: str,
+        source_id: int,
+        name: str,
+        shared: bool,
+        timeout: float | None,
+    ) -> None:
+        self._factory = factory
+        self._kind = kind
+        self._mark = (source_id, key(name))
+        self._name = name
+        self._shared = shared
+        self._timeout = timeout
+        self._stack: contextlib.ExitStack | None = None
+
+    def __enter__(self) -> Any:
+        if self._stack is not None:
+            raise RuntimeError("this lock block is already in use; create one per with-block")
+        held: set[tuple[int, int]] = _pooled_holds.__dict__.setdefault("marks", set())
+        if self._kind == "pool" and self._mark in held:
+            # Another pooled connection would be used: it would wait for this thread's own
+            # lock (for ever: Postgres sees no deadlock between two sessions of one thread).
+            raise LockError(
+                f"this thread already holds {self._name!r} through this pool: a nested read or "
+                "write would wait for itself on another pooled connection; take the lock once "
+                "(or use rwlock(conn, ...) on one connection, where re-entry is counted)"
+            )
+        stack = contextlib.ExitStack()
+        with stack:
+            conn = stack.enter_context(self._factory(self._shared, self._timeout))
+            if self._kind == "pool":
+                held.add(self._mark)
+                stack.callback(held.discard, self._mark)
+            self._stack = stack.pop_all()
+        return conn
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.__exit__(exc_type, exc, tb)
+
+
+class RWLock:
+    """A read-write lock on ``name``: ``with rw.read():`` shares it with other readers,
+    ``with rw.write():`` excludes everyone.
+
+    Each ``with`` yields the connection holding the lock: the connection you passed, or the
+    one checked out of the pool (returned at the end of the block, as in :func:`pool_lock`).
+
+    Writers are not starved: Postgres queues a read request behind a waiting write request.
+    On one connection, re-entry from a thread is counted (a read inside that thread's write is
+    a re-entry); asking to write while the same thread reads raises :class:`pglock.LockError`
+    (no upgrade: two readers upgrading would deadlock). Through a pool, any nesting by the
+    same thread raises, since it would wait on itself.
+
+    Thread safety: an ``RWLock`` may be shared by threads; each ``read()``/``write()`` call
+    returns a block object for one ``with`` in one thread.
+    """
+
+    def __init__(self, source: object, name: str) -> None:
+        validate_name(name)
+        kind = _classify(source)
+        self._name = name
+        self._kind = kind
+        self._source_id = id(source)
+        self._get_source: Callable[[], object] = lambda: source
+        self._default_timeout: float | None = None
+
+    @classmethod
+    def _for_locker(
+        cls, get_source: Callable[[], object], name: str, timeout: float | None, source_id: int
+    ) -> RWLock:
+        self = cls.__new__(cls)
+        self._name = validate_name(name)
+        self._kind = "pool"
+        self._source_id = source_id
+        self._get_source = get_source
+        self._default_timeout = timeout
+        return self
+
+    @property
+    def name(self) -> str:
+        """The lock name (with a Locker's namespace folded in)."""
+        return self._name
+
+    @property
+    def key(self) -> int:
+        """The advisory-lock key of :attr:`name`."""
+        return key(self._name)
+
+    def __repr__(self) -> str:
+        return f"<pglock.RWLock {self._name!r}>"
+
+    def read(self, timeout: float | None = _DEFAULT) -> _Hold:
+        """A shared (read) hold, as a context manager yielding the connection.
+
+        :param timeout: ``None`` waits; ``0`` tries once; ``> 0`` waits that long.
+        :raises pglock.LockNotAcquired: not acquired in time (at ``with``).
+        """
+        return self._hold(True, timeout)
+
+    def write(self, timeout: float | None = _DEFAULT) -> _Hold:
+        """An exclusive (write) hold, as a context manager yielding the connection.
+
+        :param timeout: ``None`` waits; ``0`` tries once; ``> 0`` waits that long.
+        :raises pglock.LockNotAcquired: not acquired in time (at ``with``).
+        :raises pglock.LockError: this thread holds the read lock on the same connection.
+        """
+        return self._hold(False, timeout)
+
+    def _hold(self, shared: bool, timeout: float | None) -> _Hold:
+        t = self._default_timeout if timeout is _DEFAULT else validate_timeout(timeout)
+        return _Hold(self._factory, self._kind, self._source_id, self._name, shared, t)
+
+    @contextlib.contextmanager
+    def _factory(self, shared: bool, timeout: float | None) -> Iterator[Any]:
+        source = self._get_source()
+        if self._kind == "conn":
+            with PgLock(source, self._name, shared=shared, timeout=timeout):
+                yield source
+        else:
+            kind_lock = PoolLock._deferred(
+                lambda: source, self._name, shared=shared, timeout=timeout
+            )
+            with kind_lock as conn:
+                yield conn
+
+
+def rwlock(source: object, name: str) -> RWLock:
+    """A read-write lock on ``name`` through ``source``.
+
+    :param source: a psycopg ``Connection`` or SQLAlchemy ``Connection``/``Session`` (the lock
+        lives on it), or a ``psycopg_pool.ConnectionPool`` / SQLAlchemy ``Engine`` (each block
+        checks a connection out, as :func:`pglock.pool_lock` does).
+    :raises TypeError, ValueError: a bad source or name, before any SQL.
+
+    Example::
+
+        config = pglock.rwlock(pool, "config")
+        with config.read(timeout=5) as conn:
+            settings = conn.execute("SELECT * FROM settings").fetchall()
+        with config.write() as conn:
+            conn.execute("UPDATE settings SET value = 'x' WHERE key = 'mode'")
+    """
+    return RWLock(source, name)

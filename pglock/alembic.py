@@ -1,0 +1,181 @@
+"""Alembic integration: serialize concurrent ``alembic upgrade`` runs with an advisory lock.
+
+When several instances of an application start at once and each runs its migrations,
+:func:`migration_lock` in the project's ``env.py`` lets one of them migrate while the others
+wait, then find nothing left to do. The lock is a session advisory lock held on a dedicated
+connection, not on the migration connection, so a revision may commit on its own
+(``op.get_context().autocommit_block()``, ``CREATE INDEX CONCURRENTLY``) without releasing it.
+
+The copy-paste ``env.py`` snippet is in docs/alembic.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+
+from ._advisory import PgLock
+from ._keys import validate_name, validate_timeout
+from .errors import LockNotAcquired
+
+__all__ = ["migration_lock"]
+
+logger = logging.getLogger("pglock.alembic")
+
+#: Polling between attempts, seconds: from the first to the last interval, doubling.
+_FIRST_POLL = 0.05
+_MAX_POLL = 1.0
+
+
+def migration_lock(
+    connection_or_url: object,
+    name: str = "alembic-migrations",
+    *,
+    timeout: float | None = None,
+) -> contextlib.AbstractContextManager[None]:
+    """Hold a session advisory lock on a dedicated connection while migrations run.
+
+    Use it around the migration run in ``env.py`` (``run_migrations_online``)::
+
+        with migration_lock(connectable, timeout=600):
+            with connectable.connect() as connection:
+                context.configure(connection=connection, target_metadata=target_metadata)
+                with context.begin_transaction():
+                    context.run_migrations()
+
+    Take the lock before opening the migration connection, so that a process that waits has
+    not read the current revision yet: it reads it once the first process is done.
+
+    The waiting side polls (``pg_try_advisory_lock`` every 50 ms growing to 1 s) instead of
+    blocking in ``pg_advisory_lock``: a blocked statement holds a snapshot, and
+    ``CREATE INDEX CONCURRENTLY`` in the running migration waits for every older snapshot in
+    the database, which would deadlock with the waiters. Advisory locks are per database, so
+    migrations of different databases do not wait for each other.
+
+    :param connection_or_url: where to open the dedicated connection: a SQLAlchemy ``Engine``
+        or ``Connection`` (its engine checks out another connection when it uses the psycopg
+        driver; for another PostgreSQL driver, its URL is opened with psycopg), a SQLAlchemy
+        ``URL``, or a URL / libpq connection string. Behind a transaction-mode pooler
+        (PgBouncer), pass a URL that reaches Postgres directly.
+    :param name: the lock name; every process migrating the same database must use the same.
+    :param timeout: seconds to wait for the lock; ``None`` waits until it is free.
+    :raises pglock.LockNotAcquired: not acquired within ``timeout``.
+    :raises pglock.UnsupportedServer: a hot standby, or a transaction-mode pooler in between.
+    :raises pglock.LockLost: at the exit, when the dedicated connection was lost meanwhile.
+    :raises TypeError: an unsupported ``connection_or_url``; ``ValueError``: a bad name or
+        timeout (both before connecting).
+    """
+    validate_name(name)
+    t = validate_timeout(timeout)
+    opener = _opener(connection_or_url)
+    return _hold(opener, name, t)
+
+
+# An opener returns (connection for pglock, close(discard: bool)).
+_Opener = Callable[[], tuple[Any, Callable[[bool], None]]]
+
+
+def _opener(source: object) -> _Opener:
+    """Decide, without I/O, how to open the dedicated connection."""
+    if isinstance(source, str):
+        if not source.strip():
+            raise ValueError("the database URL must not be empty")
+        if "://" in source:
+            from sqlalchemy.engine import make_url
+
+            return _url_opener(make_url(source))
+        return _psycopg_opener(source)  # a libpq key=value connection string
+    mod = type(source).__module__
+    if mod.startswith("sqlalchemy"):
+        from sqlalchemy.engine import URL, Connection, Engine
+
+        if isinstance(source, Connection):
+            source = source.engine
+        if isinstance(source, Engine):
+            dialect = source.dialect
+            if dialect.name != "postgresql":
+                raise TypeError(f"migration_lock needs PostgreSQL; this engine uses {dialect.name}")
+            if dialect.driver == "psycopg":
+                return _engine_opener(source)
+            return _url_opener(source.url)
+        if isinstance(source, URL):
+            return _url_opener(source)
+    raise TypeError(
+        "migration_lock expects a SQLAlchemy Engine, Connection or URL, or a database URL "
+        f"string; got {type(source).__module__}.{type(source).__qualname__}"
+    )
+
+
+def _url_opener(url: Any) -> _Opener:
+    if url.get_backend_name() != "postgresql":
+        raise TypeError(f"migration_lock needs PostgreSQL; this URL is for {url.drivername}")
+    # libpq reads postgresql:// URLs itself; SQLAlchemy's driver suffix is not part of them.
+    dsn = url.set(drivername="postgresql").render_as_string(hide_password=False)
+    return _psycopg_opener(dsn)
+
+
+def _psycopg_opener(dsn: str) -> _Opener:
+    def open_() -> tuple[Any, Callable[[bool], None]]:
+        conn = psycopg.connect(dsn, autocommit=True)
+        return conn, lambda discard: conn.close()
+
+    return open_
+
+
+def _engine_opener(engine: Any) -> _Opener:
+    def open_() -> tuple[Any, Callable[[bool], None]]:
+        sa_conn = engine.connect()
+
+        def close(discard: bool) -> None:
+            if discard and not sa_conn.invalidated:
+                sa_conn.invalidate()
+            sa_conn.close()
+
+        return sa_conn, close
+
+    return open_
+
+
+@contextlib.contextmanager
+def _hold(opener: _Opener, name: str, timeout: float | None) -> Iterator[None]:
+    conn, close = opener()
+    discard = True
+    try:
+        lock = PgLock(conn, name)
+        _wait(lock, name, timeout)
+        discard = False
+        try:
+            yield
+        finally:
+            try:
+                lock.release()
+            except BaseException:
+                discard = True
+                raise
+            finally:
+                logger.info("released migration lock %r", name)
+    finally:
+        close(discard)
+
+
+def _wait(lock: PgLock, name: str, timeout: float | None) -> None:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    interval = _FIRST_POLL
+    announced = False
+    while not lock.acquire(blocking=False):
+        now = time.monotonic()
+        if deadline is not None and now >= deadline:
+            raise LockNotAcquired(name, key=lock.keys[0], timeout=timeout)
+        if not announced:
+            logger.info("waiting for migration lock %r: another process is migrating", name)
+            announced = True
+        pause = interval if deadline is None else min(interval, deadline - now)
+        time.sleep(pause)
+        interval = min(interval * 2, _MAX_POLL)
+    logger.info("acquired migration lock %r", name)
+
