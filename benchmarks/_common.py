@@ -1,0 +1,303 @@
+"""Shared pieces of the benchmark harness: settings, the scratch database, statistics, counters.
+
+Nothing here measures anything by itself; the workloads live in ``_workloads.py`` (A-D),
+``_leases.py`` (E, F) and ``_pools.py`` (G).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import statistics
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+APP_NAME = "pglock-bench"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How much work each workload does. ``full()`` is the documented run; ``quick()`` is the
+    smoke run CI uses (it checks that the harness works, its numbers mean nothing)."""
+
+    quick: bool
+    # A and G: alternating blocks of cycles
+    blocks: int
+    cycles_per_block: int
+    # B and D: threads, seconds per measurement, repetitions (alternated between adapters)
+    threads: int
+    seconds: float
+    reps: int
+    # C: handoffs per adapter (push-based waits, and the slower polling peers)
+    handoffs: int
+    handoffs_polled: int
+    # E: leases held, measuring window, their ttl; lease-table sizes; acquire samples
+    leases: int
+    keepalive_window: float
+    keepalive_ttl: float
+    rows_small: int
+    rows_large: int
+    acquire_blocks: int
+    acquires_per_block: int
+    # F: waiters on one lease
+    waiters: int
+
+    @classmethod
+    def full(cls) -> Settings:
+        return cls(
+            quick=False,
+            blocks=20,
+            cycles_per_block=150,
+            threads=8,
+            seconds=1.5,
+            reps=3,
+            handoffs=50,
+            handoffs_polled=25,
+            leases=10_000,
+            keepalive_window=9.0,
+            keepalive_ttl=3.0,
+            rows_small=1_000,
+            rows_large=1_000_000,
+            acquire_blocks=10,
+            acquires_per_block=50,
+            waiters=50,
+        )
+
+    @classmethod
+    def quick_(cls) -> Settings:
+        return cls(
+            quick=True,
+            blocks=2,
+            cycles_per_block=8,
+            threads=3,
+            seconds=0.15,
+            reps=1,
+            handoffs=3,
+            handoffs_polled=2,
+            leases=50,
+            keepalive_window=1.5,
+            keepalive_ttl=1.5,
+            rows_small=100,
+            rows_large=2_000,
+            acquire_blocks=2,
+            acquires_per_block=5,
+            waiters=4,
+        )
+
+
+@dataclass
+class Context:
+    """Where the benchmark runs: the servers, the scratch database, the session name."""
+
+    dsn: str  # what the user gave (its database is only used to create the scratch one)
+    scratch_dsn: str
+    scratch_db: str
+    redis_url: str | None
+    app_name: str
+    settings: Settings
+    redis_skip: str | None = None  # why the Redis peers are skipped, if they are
+    notes: list[str] = field(default_factory=list)
+
+    def connect(
+        self, *, autocommit: bool = True, dsn: str | None = None
+    ) -> psycopg.Connection[Any]:
+        """A new connection to the scratch database carrying the benchmark's application_name."""
+        return psycopg.connect(
+            dsn or self.scratch_dsn, autocommit=autocommit, application_name=self.app_name
+        )
+
+    def note(self, text: str) -> None:
+        print(f"  note: {text}", flush=True)
+        self.notes.append(text)
+
+    def lock_name(self, workload: str, adapter: str) -> str:
+        return f"bench:{workload}:{adapter}:{uuid.uuid4().hex[:10]}"
+
+
+def dsn_with_db(dsn: str, dbname: str) -> str:
+    params = conninfo_to_dict(dsn)
+    params["dbname"] = dbname
+    return make_conninfo("", **params)
+
+
+@contextlib.contextmanager
+def scratch_database(dsn: str, app_name: str, prefix: str = "pglock_bench") -> Iterator[str]:
+    """Create a throwaway database (from template0, so nobody else's sessions are in the way)
+    and drop it afterwards. Yields its name."""
+    name = f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(dsn, autocommit=True, application_name=app_name) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {} TEMPLATE template0").format(sql.Identifier(name)))
+    try:
+        yield name
+    finally:
+        with psycopg.connect(dsn, autocommit=True, application_name=app_name) as admin:
+            admin.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+# --- statistics ------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation; values need not be sorted."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def rnd(x: float, digits: int = 3) -> float | None:
+    """Round for JSON; NaN becomes None."""
+    if x != x:  # NaN
+        return None
+    return round(x, digits)
+
+
+# --- counting what reaches the server -------------------------------------------------------
+
+
+class StatementCounter:
+    """Counts the round trips psycopg sends, per thread, while active.
+
+    It wraps ``Cursor.execute``/``executemany`` and the connection's internal command path
+    (``BEGIN``, ``COMMIT``, ``ROLLBACK``, savepoints): one call is one round trip to the server,
+    whatever the connection (the caller's, a pool's, one that a library opened itself). A
+    ``;``-joined batch counts once, as it travels once. Only for counting passes: the wrappers
+    cost a little time, so timed passes never run under it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.by_thread: Counter[str] = Counter()
+        self._stamps: list[float] = []
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _bump(self) -> None:
+        name = threading.current_thread().name
+        now = time.perf_counter()
+        with self._lock:
+            self.by_thread[name] += 1
+            self._stamps.append(now)
+
+    def stamps(self) -> list[float]:
+        """perf_counter() times of every round trip counted so far."""
+        with self._lock:
+            return list(self._stamps)
+
+    @property
+    def total(self) -> int:
+        with self._lock:
+            return sum(self.by_thread.values())
+
+    def snapshot(self) -> Counter[str]:
+        with self._lock:
+            return Counter(self.by_thread)
+
+    def __enter__(self) -> StatementCounter:
+        from psycopg import _connection_base
+
+        bump = self._bump
+
+        def wrap(owner: Any, attr: str) -> None:
+            orig = owner.__dict__[attr]
+
+            def counted(*args: Any, **kwargs: Any) -> Any:
+                bump()
+                return orig(*args, **kwargs)
+
+            counted.__wrapped__ = orig  # type: ignore[attr-defined]
+            self._saved.append((owner, attr, orig))
+            setattr(owner, attr, counted)
+
+        wrap(psycopg.Cursor, "execute")
+        wrap(psycopg.Cursor, "executemany")
+        wrap(_connection_base.BaseConnection, "_exec_command")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, attr, orig in reversed(self._saved):
+            setattr(owner, attr, orig)
+        self._saved.clear()
+
+
+_READY = re.compile(rb"^B\t\d+\tReadyForQuery", re.MULTILINE)
+
+
+@contextlib.contextmanager
+def trace_round_trips(conns: Sequence[psycopg.Connection[Any]]) -> Iterator[Callable[[], int]]:
+    """libpq's protocol trace on ``conns``; yields a function that returns the round trips
+    (ReadyForQuery messages) seen so far. Exact, and independent of how psycopg is driven."""
+    files = []
+    for c in conns:
+        f = tempfile.TemporaryFile()  # noqa: SIM115 (closed below, after untrace)
+        c.pgconn.trace(f.fileno())
+        c.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+        files.append((c, f))
+    total: list[int] = []
+
+    def count() -> int:
+        if not total:
+            raise RuntimeError("round trips are counted after the block ends")
+        return total[0]
+
+    try:
+        yield count
+    finally:
+        n = 0
+        for c, f in files:
+            with contextlib.suppress(Exception):
+                c.pgconn.untrace()
+            f.seek(0)
+            n += len(_READY.findall(f.read()))
+            f.close()
+        total.append(n)
+
+
+def thread_cpu_seconds() -> dict[int, float]:
+    """CPU seconds (user + system) per native thread id of this process, from /proc."""
+    out: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    base = "/proc/self/task"
+    try:
+        tids = os.listdir(base)
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"{base}/{tid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # fields[0] is the state (field 3 of stat); utime and stime are fields 14 and 15
+        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, interval: float = 0.0005) -> bool:
+    """Poll ``pred`` until it is true or ``timeout`` seconds pass; bounded."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if pred():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)

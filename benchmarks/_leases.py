@@ -1,0 +1,389 @@
+"""Lease workloads (E, F) and the lease adapter for A-D, used once ``pglock.lease`` exists.
+
+E  keepalive of many leases held by one process: statements per second and per renewal round,
+   CPU of the keepalive thread; lease acquire latency with a small versus a huge lease table
+F  many waiters on one lease: database statements per handoff
+
+Statements are counted client-side (:class:`~benchmarks._common.StatementCounter`: every round
+trip psycopg sends, per thread), which is exact and needs no server setting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+import pglock
+
+from ._adapters import Adapter, Client
+from ._common import (
+    Context,
+    StatementCounter,
+    dsn_with_db,
+    median,
+    percentile,
+    rnd,
+    scratch_database,
+    thread_cpu_seconds,
+)
+
+LEASE_SCHEMA = "pglock"
+
+
+def missing() -> str | None:
+    """Why the lease workloads cannot run (None when they can)."""
+    if not hasattr(pglock, "lease"):
+        return "pglock.lease does not exist yet (issue 3)"
+    return None
+
+
+def install_schema(dsn: str) -> str | None:
+    """Install pglock's schema with the documented command; returns an error text or None."""
+    cmd = [sys.executable, "-m", "pglock", "install", "--dsn", dsn]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{' '.join(cmd[1:4])} failed: {exc!r}"
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return f"'python -m pglock install' exited {proc.returncode}: {' | '.join(tail)}"
+    return None
+
+
+def make_pool(ctx: Context, dsn: str | None = None, *, max_size: int = 4) -> Any:
+    from psycopg_pool import ConnectionPool
+
+    return ConnectionPool(
+        dsn or ctx.scratch_dsn,
+        min_size=1,
+        max_size=max_size,
+        kwargs={"application_name": ctx.app_name},
+        open=True,
+        name="bench-lease",
+    )
+
+
+# --- the lease as an adapter (A-D) --------------------------------------------------------------
+
+
+class _LeaseClient(Client):
+    waits_in_postgres = False  # a lease waiter waits on LISTEN/NOTIFY, not in pg_locks
+
+    def __init__(self, ctx: Context, **options: Any) -> None:
+        self.pool = make_pool(ctx)
+        self.options = options
+        self._lease: Any = None
+
+    def acquire(self, name: str) -> None:
+        lease = pglock.lease(self.pool, name, ttl=30.0, **self.options)
+        lease.__enter__()
+        self._lease = lease
+
+    def release(self) -> None:
+        lease, self._lease = self._lease, None
+        lease.__exit__(None, None, None)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class Lease(Adapter):
+    key = "lease"
+    label = "pglock.lease (durable)"
+    group = "lease"
+
+    def __init__(self, **options: Any) -> None:
+        self.options = options
+
+    def client(self, ctx: Context) -> Client:
+        return _LeaseClient(ctx, **self.options)
+
+
+def lease_adapters() -> list[Adapter]:
+    """The lease adapter, plus a non-durable variant if pglock documents one."""
+    import inspect
+
+    out: list[Adapter] = [Lease()]
+    params = inspect.signature(pglock.lease).parameters
+    if "durable" in params:
+        fast = Lease(durable=False)
+        fast.key, fast.label = "lease-nondurable", "pglock.lease (durable=False)"
+        out.append(fast)
+    return out
+
+
+# --- E: keepalive -------------------------------------------------------------------------------
+
+
+def keepalive(ctx: Context) -> dict[str, Any]:
+    """Hold ``settings.leases`` leases with keepalive on; count what the process sends while it
+    does nothing else, and the CPU its background threads use."""
+    s = ctx.settings
+    ttl = s.keepalive_ttl
+    pool = make_pool(ctx, max_size=8)
+    before = {t.ident for t in threading.enumerate()}
+    out: dict[str, Any] = {"leases": s.leases, "ttl": ttl, "window_s": s.keepalive_window}
+    try:
+        with contextlib.ExitStack() as held:
+            t0 = time.perf_counter()
+            leases = [
+                held.enter_context(pglock.lease(pool, f"bench:E:{i}", ttl=ttl))
+                for i in range(s.leases)
+            ]
+            out["acquire_all_s"] = rnd(time.perf_counter() - t0, 2)
+            time.sleep(min(ttl / 2, 2.0))  # let the keepalive reach its steady rhythm
+            background = [t for t in threading.enumerate() if t.ident not in before]
+            with StatementCounter() as counter:
+                cpu0, proc0 = thread_cpu_seconds(), time.process_time()
+                start = time.perf_counter()
+                time.sleep(s.keepalive_window)
+                window = time.perf_counter() - start
+                cpu1, proc1 = thread_cpu_seconds(), time.process_time()
+                counted = counter.snapshot()
+                stamps = counter.stamps()
+            lost = sum(1 for lease in leases if getattr(lease, "lost", False))
+            t1 = time.perf_counter()
+        out["release_all_s"] = rnd(time.perf_counter() - t1, 2)
+    finally:
+        pool.close()
+    threads = {}
+    for t in background:
+        nid = t.native_id
+        if nid is not None and nid in cpu1:
+            threads[t.name] = cpu1[nid] - cpu0.get(nid, 0.0)
+    statements = sum(counted.values())
+    rounds = _rounds(stamps)
+    keep = {n: c for n, c in threads.items() if "keepalive" in n.lower() or "pglock" in n.lower()}
+    keep_cpu = sum(keep.values()) if keep else sum(threads.values())
+    out.update(
+        statements=statements,
+        statements_by_thread=dict(counted),
+        statements_per_s=rnd(statements / window, 2),
+        renewal_rounds=rounds,
+        statements_per_round=rnd(statements / rounds, 2) if rounds else None,
+        keepalive_threads=sorted(keep) or sorted(threads),
+        keepalive_cpu_pct_of_core=rnd(100 * keep_cpu / window, 2),
+        process_cpu_pct_of_core=rnd(100 * (proc1 - proc0) / window, 2),
+        leases_lost=lost,
+    )
+    return out
+
+
+def _rounds(stamps: list[float], gap: float = 0.2) -> int:
+    """Bursts of statements separated by at least ``gap`` seconds: the renewal rounds."""
+    rounds, last = 0, None
+    for t in sorted(stamps):
+        if last is None or t - last > gap:
+            rounds += 1
+        last = t
+    return rounds
+
+
+# --- E: acquire latency against the size of the lease table ----------------------------------
+
+
+def _lease_table(conn: psycopg.Connection[Any]) -> tuple[str, list[tuple[str, str, bool, bool]]]:
+    """Find the lease table in pglock's schema: the table with ``name`` and ``expires_at``."""
+    rows = conn.execute(
+        "SELECT c.table_name FROM information_schema.columns c"
+        " WHERE c.table_schema = %s AND c.column_name IN ('name', 'expires_at')"
+        " GROUP BY c.table_name HAVING count(*) = 2",
+        (LEASE_SCHEMA,),
+    ).fetchall()
+    if len(rows) != 1:
+        raise RuntimeError(f"cannot tell the lease table in schema {LEASE_SCHEMA!r}: {rows}")
+    table = rows[0][0]
+    cols = conn.execute(
+        "SELECT column_name, data_type, is_nullable = 'NO', column_default IS NOT NULL"
+        " FROM information_schema.columns WHERE table_schema = %s AND table_name = %s"
+        " ORDER BY ordinal_position",
+        (LEASE_SCHEMA, table),
+    ).fetchall()
+    return table, cols
+
+
+def _filler_value(col: str, dtype: str) -> sql.Composable:
+    by_name = {
+        "name": sql.SQL("'bench:fill:' || g"),
+        "holder": sql.SQL("'bench-filler'"),
+        "expires_at": sql.SQL("clock_timestamp() + interval '1 day'"),
+    }
+    if col in by_name:
+        return by_name[col]
+    if dtype in ("text", "character varying", "character"):
+        return sql.SQL("'bench-filler'")
+    if dtype in ("bigint", "integer", "smallint", "numeric"):
+        return sql.SQL("g")
+    if dtype in ("double precision", "real"):
+        return sql.SQL("30")
+    if dtype.startswith("timestamp"):
+        return sql.SQL("clock_timestamp()")
+    if dtype in ("json", "jsonb"):
+        return sql.SQL("'{}'")
+    if dtype == "boolean":
+        return sql.SQL("false")
+    if dtype == "uuid":
+        return sql.SQL("gen_random_uuid()")
+    if dtype == "interval":
+        return sql.SQL("interval '30 seconds'")
+    raise RuntimeError(f"no filler value for column {col} of type {dtype}")
+
+
+def fill_lease_table(conn: psycopg.Connection[Any], rows: int) -> None:
+    """Bulk-insert ``rows`` live leases held by a filler, then ANALYZE."""
+    table, cols = _lease_table(conn)
+    names, values = [], []
+    for col, dtype, not_null, has_default in cols:
+        if col in ("name", "holder", "expires_at") or (not_null and not has_default):
+            names.append(sql.Identifier(col))
+            values.append(_filler_value(col, dtype))
+    conn.execute(
+        sql.SQL("INSERT INTO {}.{} ({}) SELECT {} FROM generate_series(1, {}) AS g").format(
+            sql.Identifier(LEASE_SCHEMA),
+            sql.Identifier(table),
+            sql.SQL(", ").join(names),
+            sql.SQL(", ").join(values),
+            sql.Literal(rows),
+        )
+    )
+    conn.execute(
+        sql.SQL("ANALYZE {}.{}").format(sql.Identifier(LEASE_SCHEMA), sql.Identifier(table))
+    )
+
+
+@contextlib.contextmanager
+def _sized_database(ctx: Context, rows: int) -> Iterator[str]:
+    with scratch_database(ctx.dsn, ctx.app_name, prefix="pglock_bench_rows") as db:
+        dsn = dsn_with_db(ctx.dsn, db)
+        err = install_schema(dsn)
+        if err:
+            raise RuntimeError(err)
+        with psycopg.connect(dsn, autocommit=True, application_name=ctx.app_name) as c:
+            fill_lease_table(c, rows)
+        yield dsn
+
+
+def acquire_vs_rows(ctx: Context) -> dict[str, Any]:
+    """Lease acquire latency on fresh names, alternating blocks between a database whose lease
+    table holds ``rows_small`` rows and one holding ``rows_large``."""
+    s = ctx.settings
+    sizes = {"small": s.rows_small, "large": s.rows_large}
+    lat: dict[str, list[float]] = {k: [] for k in sizes}
+    with contextlib.ExitStack() as stack:
+        pools = {}
+        for key, rows in sizes.items():
+            t0 = time.perf_counter()
+            dsn = stack.enter_context(_sized_database(ctx, rows))
+            pools[key] = stack.enter_context(make_pool(ctx, dsn))
+            print(f"  E: {rows:,} rows ready in {time.perf_counter() - t0:.1f} s", flush=True)
+        for key, pool in pools.items():  # warm up both
+            with pglock.lease(pool, f"bench:E:warm:{key}", ttl=30):
+                pass
+        for b in range(s.acquire_blocks):
+            for key in list(sizes) if b % 2 == 0 else list(sizes)[::-1]:
+                for j in range(s.acquires_per_block):
+                    lease = pglock.lease(pools[key], f"bench:E:rows:{b}:{j}", ttl=30)
+                    t = time.perf_counter_ns()
+                    lease.__enter__()
+                    lat[key].append((time.perf_counter_ns() - t) / 1000.0)
+                    lease.__exit__(None, None, None)
+    small, large = median(lat["small"]), median(lat["large"])
+    return {
+        "rows_small": s.rows_small,
+        "rows_large": s.rows_large,
+        "small_p50_us": rnd(small, 1),
+        "small_p99_us": rnd(percentile(lat["small"], 99), 1),
+        "large_p50_us": rnd(large, 1),
+        "large_p99_us": rnd(percentile(lat["large"], 99), 1),
+        "ratio": rnd(large / small, 3),
+        "samples": len(lat["small"]),
+    }
+
+
+def workload_e(ctx: Context) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for part, fn in (("keepalive", keepalive), ("acquire_vs_rows", acquire_vs_rows)):
+        try:
+            out[part] = fn(ctx)
+        except Exception as exc:
+            out[part] = {"errors": [repr(exc)]}
+            ctx.note(f"E/{part} failed: {exc!r}")
+    return out
+
+
+# --- F: many waiters on one lease ---------------------------------------------------------------
+
+
+def workload_f(ctx: Context) -> dict[str, Any]:
+    """``settings.waiters`` threads block on one lease held by this thread; the holder releases
+    and the lease passes from waiter to waiter. Statements per handoff = every round trip the
+    process sends from the first release to the last release, divided by the handoffs."""
+    s = ctx.settings
+    name = ctx.lock_name("F", "lease")
+    pool = make_pool(ctx, max_size=10)
+    got: list[float] = []
+    errors: list[str] = []
+    entered = threading.Barrier(s.waiters + 1, timeout=60)
+    try:
+        holder = pglock.lease(pool, name, ttl=30)
+        holder.__enter__()
+
+        def waiter() -> None:
+            try:
+                entered.wait()
+                with pglock.lease(pool, name, ttl=30, timeout=120):
+                    got.append(time.perf_counter())
+            except Exception as exc:
+                errors.append(repr(exc))
+
+        with StatementCounter() as counter:
+            threads = [
+                threading.Thread(target=waiter, name=f"bench-F-{i}", daemon=True)
+                for i in range(s.waiters)
+            ]
+            for t in threads:
+                t.start()
+            entered.wait()
+            _quiet(counter, quiet=0.3, limit=20.0)  # every waiter tried once and sleeps
+            waiting = counter.total
+            start = counter.total
+            t0 = time.perf_counter()
+            holder.__exit__(None, None, None)
+            for t in threads:
+                t.join(timeout=150)
+            elapsed = time.perf_counter() - t0
+            statements = counter.total - start
+    finally:
+        pool.close()
+    handoffs = len(got)
+    return {
+        "waiters": s.waiters,
+        "handoffs": handoffs,
+        "statements": statements,
+        "statements_before_release": waiting,
+        "statements_per_handoff": rnd(statements / handoffs, 2) if handoffs else None,
+        "seconds": rnd(elapsed, 3),
+        "handoffs_per_s": rnd(handoffs / elapsed, 1) if elapsed > 0 else None,
+        **({"errors": errors} if errors else {}),
+    }
+
+
+def _quiet(counter: StatementCounter, *, quiet: float, limit: float) -> None:
+    """Wait until no statement has been sent for ``quiet`` seconds (bounded by ``limit``)."""
+    deadline = time.monotonic() + limit
+    last, since = counter.total, time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = counter.total
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            return

@@ -1,0 +1,108 @@
+"""Workload G, used once ``pglock.pool_lock`` exists: pool-aware locking against a bare pool
+checkout plus the raw statements, and the cost of ``pglock.reset_connection`` per checkout.
+
+Every pool here has one connection (so each cycle reuses the same backend) and the same
+settings; the cycles are alternated block by block as in workload A.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import pglock
+
+from ._adapters import sha256_key
+from ._common import Context, rnd
+from ._workloads import alternate
+
+
+def missing() -> str | None:
+    """Why workload G cannot run (None when it can)."""
+    absent = [n for n in ("pool_lock", "reset_connection") if not hasattr(pglock, n)]
+    if absent:
+        return f"pglock.{' and pglock.'.join(absent)} do(es) not exist yet (issue 4)"
+    return None
+
+
+def _pool(ctx: Context, *, autocommit: bool, reset: Callable[[Any], None] | None = None) -> Any:
+    from psycopg_pool import ConnectionPool
+
+    kwargs: dict[str, Any] = {"application_name": ctx.app_name}
+    if autocommit:
+        kwargs["autocommit"] = True
+    return ConnectionPool(
+        ctx.scratch_dsn,
+        min_size=1,
+        max_size=1,
+        kwargs=kwargs,
+        reset=reset,
+        open=True,
+        name="bench-G",
+    )
+
+
+def workload_g(ctx: Context) -> dict[str, Any]:
+    s = ctx.settings
+    name = ctx.lock_name("G", "pool")
+    k = sha256_key(name)
+    out: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        pools = {
+            key: stack.enter_context(_pool(ctx, autocommit=ac, reset=reset))
+            for key, ac, reset in (
+                ("raw-ac", True, None),
+                ("lock-ac", True, None),
+                ("raw-tx", False, None),
+                ("lock-tx", False, None),
+                ("plain", True, None),
+                ("reset", True, pglock.reset_connection),
+            )
+        }
+
+        def raw(pool: Any) -> Callable[[], None]:
+            def run() -> None:
+                with pool.connection() as c:
+                    c.execute("SELECT pg_advisory_lock(%s)", (k,))
+                    c.execute("SELECT pg_advisory_unlock(%s)", (k,))
+
+            return run
+
+        def locked(pool: Any) -> Callable[[], None]:
+            def run() -> None:
+                with pglock.pool_lock(pool, name):
+                    pass
+
+            return run
+
+        def checkout(pool: Any) -> Callable[[], None]:
+            def run() -> None:
+                with pool.connection():
+                    pass
+
+            return run
+
+        cycles = {
+            "checkout+raw": raw(pools["raw-ac"]),
+            "pool_lock": locked(pools["lock-ac"]),
+            "checkout+raw (tx pool)": raw(pools["raw-tx"]),
+            "pool_lock (tx pool)": locked(pools["lock-tx"]),
+            "checkout": checkout(pools["plain"]),
+            "checkout+reset_connection": checkout(pools["reset"]),
+        }
+        res = alternate(cycles, blocks=s.blocks, per_block=s.cycles_per_block, floor="checkout+raw")
+    out["cycles"] = res
+    floor = "checkout+raw"
+    out["floor"] = floor
+    lock, raw_c = res.get("pool_lock", {}), res.get(floor, {})
+    if lock.get("p50_us") and raw_c.get("p50_us"):
+        out["pool_lock_ratio"] = rnd(lock["p50_us"] / raw_c["p50_us"], 3)
+    lock_tx, raw_tx = res.get("pool_lock (tx pool)", {}), res.get("checkout+raw (tx pool)", {})
+    if lock_tx.get("p50_us") and raw_tx.get("p50_us"):
+        out["pool_lock_ratio_tx_pool"] = rnd(lock_tx["p50_us"] / raw_tx["p50_us"], 3)
+    plain, reset = res.get("checkout", {}), res.get("checkout+reset_connection", {})
+    if plain.get("p50_us") and reset.get("p50_us"):
+        out["reset_cost_us"] = rnd(reset["p50_us"] - plain["p50_us"], 1)
+        out["reset_ratio"] = rnd(reset["p50_us"] / plain["p50_us"], 3)
+    return out

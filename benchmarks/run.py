@@ -1,0 +1,514 @@
+"""pglock benchmarks: one command, one run, the same servers for every contender.
+
+    python -m benchmarks.run                 # the full run (about 4-5 minutes)
+    python -m benchmarks.run --quick         # tiny counts: checks the harness works (CI)
+    python -m benchmarks.run --workloads A,C --adapters raw,pglock,pals
+
+It creates a throwaway database on the server of ``--dsn`` (dropped at the end), measures the
+workloads A-G (see benchmarks/README.md), prints an environment line and the medians with
+ratios against the raw psycopg floor measured in the same run, checks the targets of issue 7,
+and saves ``<out>/YYYY-MM-DD.json`` and ``<out>/chart.png`` (``-quick`` suffixes for --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+import pglock
+
+from . import _adapters, _leases, _pools, _workloads
+from ._adapters import Adapter
+from ._common import APP_NAME, Context, Settings, dsn_with_db, scratch_database
+
+WORKLOADS = "ABCDEFG"
+DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.run",
+        description="Benchmark pglock against raw psycopg and peer lock libraries.",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="tiny counts (smoke run; numbers mean nothing)"
+    )
+    p.add_argument(
+        "--workloads",
+        default=WORKLOADS,
+        help="which workloads, e.g. A,C (default: all of A-G; E-G need leases and pools)",
+    )
+    p.add_argument(
+        "--adapters",
+        default=None,
+        help="only these adapters for A-D, comma-separated keys (raw is always included)",
+    )
+    p.add_argument(
+        "--dsn",
+        default=os.environ.get("PGLOCK_BENCH_DSN")
+        or os.environ.get("PGLOCK_TEST_DSN")
+        or DEFAULT_DSN,
+        help="a Postgres server where a throwaway database may be created "
+        "(default: $PGLOCK_BENCH_DSN, $PGLOCK_TEST_DSN or %(default)s)",
+    )
+    p.add_argument(
+        "--redis",
+        default=os.environ.get("PGLOCK_BENCH_REDIS", DEFAULT_REDIS),
+        help="Redis URL for the Redis peers, or 'none' to skip them (default: %(default)s)",
+    )
+    p.add_argument("--out", type=Path, default=RESULTS, help="where JSON and chart go")
+    p.add_argument("--application-name", default=APP_NAME, help="application_name of every session")
+    p.add_argument("--no-chart", action="store_true", help="do not draw the PNG chart")
+    args = p.parse_args(argv)
+    wl = {ch for ch in args.workloads.upper() if ch not in ", "}
+    bad = wl - set(WORKLOADS)
+    if bad:
+        p.error(f"unknown workload(s) {sorted(bad)}; choose from {','.join(WORKLOADS)}")
+    args.workloads = "".join(w for w in WORKLOADS if w in wl)
+    return args
+
+
+# --- environment -----------------------------------------------------------------------------
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment(dsn: str, redis_url: str | None, app_name: str) -> dict[str, Any]:
+    with psycopg.connect(dsn, autocommit=True, application_name=app_name) as c:
+        row = c.execute(
+            "SELECT current_setting('server_version'), current_setting('synchronous_commit'),"
+            " current_setting('fsync')"
+        ).fetchone()
+        assert row is not None
+        server, sync_commit, fsync = row
+    redis_version: str | None = None
+    redis_error: str | None = None
+    if redis_url:
+        try:
+            import redis
+
+            r = redis.Redis.from_url(redis_url, socket_connect_timeout=3, client_name=app_name)
+            try:
+                redis_version = str(r.info("server")["redis_version"])
+            finally:
+                r.close()
+        except Exception as exc:
+            redis_error = repr(exc)
+    try:
+        load = round(os.getloadavg()[0], 2)
+    except OSError:
+        load = None
+    return {
+        "pglock": pglock.__version__,
+        "python": platform.python_version(),
+        "python_implementation": platform.python_implementation(),
+        "psycopg": psycopg.__version__,
+        "psycopg_impl": psycopg.pq.__impl__,
+        "libpq": psycopg.pq.version(),
+        "postgres": server,
+        "synchronous_commit": sync_commit,
+        "fsync": fsync,
+        "redis": redis_version,
+        "redis_error": redis_error,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "load_1min_at_start": load,
+        "peers": {
+            d: _version(d)
+            for d in (
+                "pals",
+                "postgresql-lock",
+                "redis",
+                "python-redis-lock",
+                "pottery",
+                "SQLAlchemy",
+                "psycopg-pool",
+            )
+        },
+    }
+
+
+def environment_line(env: dict[str, Any]) -> str:
+    libpq = env["libpq"]
+    return (
+        f"pglock {env['pglock']} | Python {env['python']} ({env['python_implementation']}) | "
+        f"psycopg {env['psycopg']} ({env['psycopg_impl']}, libpq {libpq // 10000}.{libpq % 100}) | "
+        f"PostgreSQL {env['postgres'].split()[0]} "
+        f"(synchronous_commit={env['synchronous_commit']}) | "
+        f"Redis {env['redis'] or 'n/a'} | {env['cpus']} CPUs | "
+        f"load {env['load_1min_at_start']}"
+    )
+
+
+# --- targets of issue 7 ----------------------------------------------------------------------
+
+
+def _get(d: Any, *path: str) -> Any:
+    for p in path:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(p)
+    return d
+
+
+def evaluate_targets(w: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target of issue 7: met / not met / not yet measurable, with the true number."""
+    out: list[dict[str, Any]] = []
+
+    def add(tid: str, text: str, value: Any, ok: bool | None, shown: str) -> None:
+        status = "not yet measurable" if ok is None else ("met" if ok else "not met")
+        out.append({"id": tid, "target": text, "status": status, "value": value, "shown": shown})
+
+    r = _get(w, "A", "adapters", "pglock", "ratio")
+    add(
+        "pg_lock",
+        "pg_lock cycle <= 1.1x raw psycopg cycle (alternating)",
+        r,
+        None if r is None else r <= 1.1,
+        f"{r}x" if r else "n/a",
+    )
+
+    x = _get(w, "A", "xact") or {}
+    if "pglock_lock_round_trips" in x:
+        ok = x["pglock_lock_round_trips"] == 1 and (
+            x["pglock_commit_round_trips"] == x["raw_commit_round_trips"]
+        )
+        shown = (
+            f"lock {x['pglock_lock_round_trips']} round trip, COMMIT "
+            f"{x['pglock_commit_round_trips']} (raw: {x['raw_lock_round_trips']}, "
+            f"{x['raw_commit_round_trips']}); cycle {x.get('ratio_vs_raw_xact')}x raw xact cycle"
+        )
+        add("xact_lock", "xact_lock adds one round trip and nothing at commit", x, ok, shown)
+    else:
+        add("xact_lock", "xact_lock adds one round trip and nothing at commit", None, None, "n/a")
+
+    m = _get(w, "A", "multi_key_ratio")
+    add(
+        "multi_key",
+        "10-name pg_lock cycle <= 1.5x single-name cycle",
+        m,
+        None if m is None else m <= 1.5,
+        f"{m}x" if m else "n/a",
+    )
+
+    lr = _get(w, "A", "adapters", "lease", "ratio")
+    add(
+        "lease_cycle",
+        "lease cycle <= 2x raw advisory cycle (durable commits)",
+        lr,
+        None if lr is None else lr <= 2.0,
+        f"{lr}x" if lr else "n/a",
+    )
+    nd = _get(w, "A", "adapters", "lease-nondurable", "ratio")
+    add(
+        "lease_cycle_nondurable",
+        "non-durable lease cycle <= 1.25x raw (if offered)",
+        nd,
+        None if nd is None else nd <= 1.25,
+        f"{nd}x" if nd else "n/a (no such mode yet)",
+    )
+
+    c = _get(w, "C", "adapters") or {}
+    lease_h = _get(c, "lease", "p50_ms")
+    native = _get(c, "raw", "p50_ms")
+    pollers = [v for v in (_get(c, "ttl-table", "p50_ms"), _get(c, "redis-py", "p50_ms")) if v]
+    if lease_h and native and pollers:
+        vs_native, vs_poll = lease_h / native, min(pollers) / lease_h
+        add(
+            "lease_handoff",
+            "lease handoff p50 <= 2x native advisory handoff and >= 20x faster than 100 ms pollers",
+            {"vs_native": round(vs_native, 2), "faster_than_pollers": round(vs_poll, 1)},
+            vs_native <= 2 and vs_poll >= 20,
+            f"{lease_h} ms = {vs_native:.2f}x native ({native} ms); {vs_poll:.0f}x faster than "
+            f"the fastest 100 ms poller ({min(pollers)} ms)",
+        )
+    else:
+        add(
+            "lease_handoff",
+            "lease handoff p50 <= 2x native and >= 20x faster than pollers",
+            None,
+            None,
+            "n/a",
+        )
+
+    k = _get(w, "E", "keepalive") or {}
+    if k.get("statements_per_round") is not None:
+        ok = k["statements_per_round"] <= 1.0 and k["keepalive_cpu_pct_of_core"] <= 5.0
+        add(
+            "keepalive",
+            f"keepalive of {k['leases']:,} leases: 1 batched statement per round, <= 5% of a core",
+            k,
+            ok,
+            f"{k['statements_per_round']} statements/round ({k['statements_per_s']}/s at "
+            f"ttl={k['ttl']} s), {k['keepalive_cpu_pct_of_core']}% of a core",
+        )
+    else:
+        add(
+            "keepalive",
+            "keepalive: 1 batched statement per round, <= 5% of one core",
+            None,
+            None,
+            "n/a",
+        )
+
+    rows = _get(w, "E", "acquire_vs_rows") or {}
+    if rows.get("ratio") is not None:
+        add(
+            "rows",
+            f"lease acquire at {rows['rows_large']:,} rows <= 1.2x at {rows['rows_small']:,} rows",
+            rows["ratio"],
+            rows["ratio"] <= 1.2,
+            f"{rows['ratio']}x ({rows['large_p50_us']} vs {rows['small_p50_us']} µs)",
+        )
+    else:
+        add("rows", "lease acquire at 1,000,000 rows <= 1.2x at 1,000 rows", None, None, "n/a")
+
+    f = _get(w, "F") or {}
+    if f.get("statements_per_handoff") is not None:
+        add(
+            "handoff_statements",
+            f"<= 3 statements per handoff with {f['waiters']} waiters",
+            f["statements_per_handoff"],
+            f["statements_per_handoff"] <= 3,
+            f"{f['statements_per_handoff']} statements per handoff",
+        )
+    else:
+        add("handoff_statements", "<= 3 statements per handoff with 50 waiters", None, None, "n/a")
+
+    g = _get(w, "G", "pool_lock_ratio")
+    add(
+        "pool_lock",
+        "pool_lock cycle <= 1.1x checkout + raw lock cycle",
+        g,
+        None if g is None else g <= 1.1,
+        f"{g}x" if g else "n/a",
+    )
+    return out
+
+
+# --- printing ------------------------------------------------------------------------------
+
+
+def _fmt(v: Any, suffix: str = "") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.2f}{suffix}" if abs(v) < 100 else f"{v:,.0f}{suffix}"
+    return f"{v}{suffix}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The tables of benchmarks/README.md for one result file."""
+    w = result["workloads"]
+    lines = [f"Run {result['date']}: `{result['command']}`", "", result["environment_line"], ""]
+    a = _get(w, "A", "adapters")
+    if a:
+        lines += [
+            "**A. Uncontended acquire+release** (alternating blocks; ratio = p50 / raw p50)",
+            "",
+            "| adapter | p50 µs | p99 µs | cycles/s | ratio vs raw "
+            "| per-block ratio min-med-max | round trips |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in a.values():
+            if "error" in r:
+                lines.append(f"| {r.get('label', '?')} | error: {r['error']} | | | | | |")
+                continue
+            rb = r.get("ratio_blocks") or [None] * 3
+            lines.append(
+                f"| {r['label']} | {_fmt(r['p50_us'])} | {_fmt(r['p99_us'])} | "
+                f"{_fmt(r['cycles_per_s'])} | {_fmt(r['ratio'], 'x')} | "
+                f"{_fmt(rb[0])}-{_fmt(rb[1])}-{_fmt(rb[2])} | {_fmt(r.get('round_trips'))} |"
+            )
+        lines.append("")
+    for tag, title in (("B", "B. {t} threads, distinct names"), ("D", "D. {t} threads, one name")):
+        b = _get(w, tag, "adapters")
+        if not b:
+            continue
+        lines += [
+            f"**{title.format(t=w[tag]['threads'])}** (total cycles/s, median over repetitions;"
+            " ratio vs raw paired by repetition)",
+            "",
+            "| adapter | cycles/s | ratio vs raw |" + (" lost updates |" if tag == "D" else ""),
+            "|---|---:|---:|" + ("---:|" if tag == "D" else ""),
+        ]
+        for r in b.values():
+            extra = f" {r.get('lost_updates')} |" if tag == "D" else ""
+            err = " (errors)" if r.get("errors") else ""
+            lines.append(
+                f"| {r['label']}{err} | {_fmt(r['cycles_per_s'])} | {_fmt(r['ratio'], 'x')} |"
+                + extra
+            )
+        lines.append("")
+    c = _get(w, "C", "adapters")
+    if c:
+        lines += [
+            "**C. Handoff** (holder releases, blocked waiter acquires: release -> acquired)",
+            "",
+            "| adapter | p50 ms | p99 ms | handoffs | ratio vs raw |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for r in c.values():
+            err = " (errors)" if r.get("errors") else ""
+            lines.append(
+                f"| {r['label']}{err} | {_fmt(r.get('p50_ms'))} | {_fmt(r.get('p99_ms'))} | "
+                f"{r.get('handoffs', 0)} | {_fmt(r.get('ratio'), 'x')} |"
+            )
+        lines.append("")
+    for tag in "EFG":
+        v = w.get(tag)
+        if isinstance(v, dict) and "skipped" in v:
+            lines += [f"**{tag}** skipped: {v['skipped']}", ""]
+    g = _get(w, "G", "cycles")
+    if g:
+        lines += [
+            "**G. Pools** (pool of one connection; alternating blocks)",
+            "",
+            "| cycle | p50 µs | p99 µs | ratio vs checkout+raw |",
+            "|---|---:|---:|---:|",
+        ]
+        for key, r in g.items():
+            lines.append(
+                f"| {key} | {_fmt(r.get('p50_us'))} | {_fmt(r.get('p99_us'))} | "
+                f"{_fmt(r.get('ratio'), 'x')} |"
+            )
+        lines.append("")
+    lines += ["**Targets (issue 7)**", "", "| target | status | measured |", "|---|---|---|"]
+    for t in result["targets"]:
+        lines.append(f"| {t['target']} | {t['status']} | {t['shown']} |")
+    return "\n".join(lines) + "\n"
+
+
+# --- main --------------------------------------------------------------------------------------
+
+
+def build_adapters(ctx: Context, only: set[str] | None, want_leases: bool) -> list[Adapter]:
+    adapters = _adapters.advisory_adapters()
+    if ctx.redis_url:
+        adapters += _adapters.redis_adapters()
+    if want_leases:
+        adapters += _leases.lease_adapters()
+    if only is not None:
+        adapters = [a for a in adapters if a.key in only or a.key == "raw"]
+    ready = []
+    for a in adapters:
+        try:
+            a.setup(ctx)
+            ready.append(a)
+        except Exception as exc:
+            ctx.note(f"{a.key} skipped: setup failed: {exc!r}")
+    return ready
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = Settings.quick_() if args.quick else Settings.full()
+    redis_url = None if args.redis.lower() == "none" else args.redis
+    started = time.time()
+    today = dt.datetime.now(dt.timezone.utc).date().isoformat()
+    env = environment(args.dsn, redis_url, args.application_name)
+    print(environment_line(env), flush=True)
+    notes: list[str] = []
+    if redis_url and env["redis"] is None:
+        notes.append(f"Redis peers skipped: {redis_url} does not answer ({env['redis_error']})")
+        print(f"  note: {notes[-1]}", flush=True)
+        redis_url = None
+    workloads: dict[str, Any] = {}
+    with scratch_database(args.dsn, args.application_name) as db:
+        ctx = Context(
+            dsn=args.dsn,
+            scratch_dsn=dsn_with_db(args.dsn, db),
+            scratch_db=db,
+            redis_url=redis_url,
+            app_name=args.application_name,
+            settings=settings,
+            notes=notes,
+        )
+        print(f"scratch database {db} (dropped at the end)", flush=True)
+        lease_gap = _leases.missing()
+        if lease_gap is None and any(w in args.workloads for w in "ABCDEF"):
+            lease_gap = _leases.install_schema(ctx.scratch_dsn)
+        if lease_gap:
+            ctx.note(f"leases not measured: {lease_gap}")
+        only = None if args.adapters is None else {a.strip() for a in args.adapters.split(",")}
+        adapters = build_adapters(ctx, only, want_leases=lease_gap is None)
+        print("adapters: " + ", ".join(a.key for a in adapters), flush=True)
+        steps = {
+            "A": lambda: _workloads.workload_a(ctx, adapters),
+            "B": lambda: _workloads.workload_threads(ctx, adapters, same_name=False),
+            "C": lambda: _workloads.workload_c(ctx, adapters),
+            "D": lambda: _workloads.workload_threads(ctx, adapters, same_name=True),
+            "E": lambda: _leases.workload_e(ctx),
+            "F": lambda: _leases.workload_f(ctx),
+            "G": lambda: _pools.workload_g(ctx),
+        }
+        gaps = {"E": lease_gap, "F": lease_gap, "G": _pools.missing()}
+        for tag in args.workloads:
+            gap = gaps.get(tag)
+            if gap:
+                print(f"\n[{tag}] skipped: {gap}", flush=True)
+                workloads[tag] = {"skipped": gap}
+                continue
+            print(f"\n[{tag}] running ...", flush=True)
+            t0 = time.perf_counter()
+            try:
+                workloads[tag] = steps[tag]()
+            except Exception as exc:
+                workloads[tag] = {"errors": [repr(exc)]}
+                ctx.note(f"workload {tag} failed: {exc!r}")
+            workloads[tag]["elapsed_s"] = round(time.perf_counter() - t0, 1)
+            print(f"[{tag}] done in {workloads[tag]['elapsed_s']} s", flush=True)
+    result: dict[str, Any] = {
+        "date": today,
+        "started_at": dt.datetime.fromtimestamp(started, dt.timezone.utc).isoformat(),
+        "duration_s": round(time.time() - started, 1),
+        "command": "python -m benchmarks.run" + (" --quick" if args.quick else ""),
+        "argv": list(sys.argv[1:] if argv is None else argv),
+        "quick": args.quick,
+        "environment": env,
+        "environment_line": environment_line(env),
+        "settings": settings.__dict__,
+        "scratch_database": db,
+        "application_name": args.application_name,
+        "workloads": workloads,
+        "notes": notes,
+    }
+    result["targets"] = evaluate_targets(workloads)
+    md = markdown(result)
+    print("\n" + md, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = today + ("-quick" if args.quick else "")
+    path = args.out / f"{stem}.json"
+    path.write_text(json.dumps(result, indent=2, sort_keys=False, default=str) + "\n")
+    (args.out / f"{stem}.md").write_text(md)
+    print(f"wrote {path}", flush=True)
+    if not args.no_chart:
+        from ._chart import draw
+
+        chart = args.out / ("chart-quick.png" if args.quick else "chart.png")
+        draw(result, chart)
+        print(f"wrote {chart}", flush=True)
+    print(f"total {result['duration_s']} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

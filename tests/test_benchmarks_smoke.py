@@ -1,0 +1,163 @@
+"""The benchmark harness must keep working: run it with tiny counts and check what it writes.
+
+These tests check that the harness runs, cleans up after itself and writes valid results; they
+never look at speed (the machine is shared and noisy). The lost-update oracle of workload D is
+checked both ways: exact under a real lock, and reporting the lost update when two unlocked
+writers are forced to interleave (negative control).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+import pglock
+
+ROOT = Path(__file__).resolve().parents[1]
+STATUSES = {"met", "not met", "not yet measurable"}
+
+
+def _sessions(dsn: str, app_name: str) -> int:
+    with psycopg.connect(dsn, autocommit=True, application_name="pglock-checker") as c:
+        row = c.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = %s", (app_name,)
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+
+@pytest.mark.timeout(90)
+def test_quick_run_writes_results(pg_dsn: str, app_name: str, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.run",
+            "--quick",
+            "--dsn",
+            pg_dsn,
+            "--out",
+            str(tmp_path),
+            "--application-name",
+            app_name,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=80,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "pglock " + pglock.__version__ in proc.stdout.splitlines()[0]  # environment line
+
+    files = sorted(tmp_path.glob("*-quick.json"))
+    assert len(files) == 1, list(tmp_path.iterdir())
+    result: dict[str, Any] = json.loads(files[0].read_text())
+    assert result["quick"] is True
+    assert result["environment"]["pglock"] == pglock.__version__
+    assert result["environment"]["psycopg_impl"] == psycopg.pq.__impl__
+    assert set(result["workloads"]) == set("ABCDEFG")
+
+    w = result["workloads"]
+    for key in ("raw", "pglock", "pglock-10", "pglock-xact", "postgresql-lock", "pals"):
+        entry = w["A"]["adapters"][key]
+        assert "error" not in entry, (key, entry)
+        assert entry["p50_us"] > 0 and entry["cycles"] > 0
+    assert w["A"]["adapters"]["raw"]["ratio"] == 1.0
+    assert w["A"]["adapters"]["raw"]["round_trips"] == 2.0
+    assert w["A"]["xact"]["raw_lock_round_trips"] == 1
+    for tag in "BD":
+        for key, entry in w[tag]["adapters"].items():
+            assert not entry.get("errors"), (tag, key, entry)
+            assert entry["cycles_per_s"] > 0, (tag, key)
+    for key, entry in w["D"]["adapters"].items():
+        assert entry["exact"] is True and entry["lost_updates"] == 0, (key, entry)
+    for key, entry in w["C"]["adapters"].items():
+        assert not entry.get("errors"), (key, entry)
+        assert entry["handoffs"] > 0 and entry["p50_ms"] > 0, key
+    for tag in "EFG":
+        assert "skipped" in w[tag] or "errors" not in w[tag], (tag, w[tag])
+
+    assert {t["status"] for t in result["targets"]} <= STATUSES
+    assert {t["id"] for t in result["targets"]} >= {"pg_lock", "multi_key", "pool_lock"}
+    assert (tmp_path / "chart-quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / f"{files[0].stem}.md").read_text().startswith("Run ")
+
+    # The harness cleans up: its scratch database is gone and its sessions have ended.
+    with psycopg.connect(pg_dsn, autocommit=True, application_name=app_name) as c:
+        gone = c.execute(
+            "SELECT count(*) FROM pg_database WHERE datname = %s", (result["scratch_database"],)
+        ).fetchone()
+    assert gone == (0,)
+    deadline = time.monotonic() + 10
+    while _sessions(pg_dsn, app_name) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _sessions(pg_dsn, app_name) == 0
+
+
+@pytest.fixture
+def bench_ctx(pg_dsn: str, app_name: str) -> Any:
+    from benchmarks._common import Context, Settings, dsn_with_db, scratch_database
+
+    with scratch_database(pg_dsn, app_name) as db:
+        yield Context(
+            dsn=pg_dsn,
+            scratch_dsn=dsn_with_db(pg_dsn, db),
+            scratch_db=db,
+            redis_url=None,
+            app_name=app_name,
+            settings=Settings.quick_(),
+        )
+
+
+def test_lost_update_check_has_teeth(bench_ctx: Any) -> None:
+    from benchmarks._adapters import NoLock, Pglock
+    from benchmarks._workloads import contend
+
+    # Negative control: no lock, and both threads read before either writes.
+    barrier = threading.Barrier(2, timeout=20)
+    bad = contend(
+        bench_ctx,
+        NoLock(),
+        threads=2,
+        seconds=30,
+        same_name=True,
+        counter=True,
+        between=barrier.wait,
+        max_cycles=1,
+    )
+    assert bad["cycles"] == 2 and bad["counter"] == 1
+    assert bad["lost_updates"] == 1 and bad["exact"] is False
+
+    good = contend(
+        bench_ctx, Pglock(), threads=3, seconds=30, same_name=True, counter=True, max_cycles=20
+    )
+    assert not good.get("errors"), good
+    assert good["cycles"] == 60 and good["counter"] == 60 and good["exact"] is True
+
+
+def test_counters_count_round_trips(bench_ctx: Any) -> None:
+    from benchmarks._common import StatementCounter, trace_round_trips
+
+    with bench_ctx.connect() as conn:
+        with StatementCounter() as counter:
+            conn.execute("SELECT 1")
+            with conn.transaction():  # BEGIN and COMMIT are round trips too
+                conn.execute("SELECT 1; SELECT 2")  # one batch, one round trip
+        assert counter.total == 4
+        assert sum(counter.snapshot().values()) == 4 and len(counter.stamps()) == 4
+        conn.execute("SELECT 1")  # not counted once the counter is closed
+        assert counter.total == 4
+
+        with trace_round_trips([conn]) as count:
+            conn.execute("SELECT 1")
+            with conn.transaction():
+                conn.execute("SELECT 1")
+        assert count() == 4
