@@ -7,6 +7,7 @@ and the name -> key contract (:func:`key`). See the README for which lock fits w
 from __future__ import annotations
 
 from ._advisory import PgLock, pg_lock, try_xact_lock, xact_lock
+from ._inspect import AdvisoryLock, advisory_locks
 from ._keys import MAX_NAME_BYTES, key
 from ._leader import LeaderElection, leader
 from ._pool import Locker, PoolLock, pool_lock, reset_connection
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MAX_NAME_BYTES",
+    "AdvisoryLock",
     "DeadlockDetected",
     "InvalidConnectionState",
     "LeaderElection",
@@ -42,6 +44,7 @@ __all__ = [
     "Singleton",
     "UnsupportedServer",
     "__version__",
+    "advisory_locks",
     "key",
     "leader",
     "pg_lock",
@@ -55,6 +58,7 @@ __all__ = [
 
 # Public classes report the package as their home (repr, docs, pickling by reference).
 for _cls in (
+    AdvisoryLock,
     DeadlockDetected,
     InvalidConnectionState,
     LeaderElection,

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import sql
 
-from . import _conn, _sql
+from . import _conn, _registry, _sql
 from ._conn import IDLE, INERROR, INTRANS, ConnState, Context, KeyHold, Target
 from ._keys import normalize_names, validate_flag, validate_timeout
 from .errors import InvalidConnectionState, LockError, LockLost, LockNotAcquired
@@ -478,6 +478,14 @@ def _session_lock(
     elif len(keys) > 1:
         stmt = _sql.lock(keys, shared=shared, xact=False, try_=try_)
 
+    registering = _registry.pending(conn, state, ctx.keys, ctx.names)
+    if registering:
+        # This process's first use of these names here: record them in the same round trip,
+        # after the lock statement (see pglock._registry for why that order).
+        if stmt is None:
+            stmt = _sql.lock(keys, shared=shared, xact=False, try_=try_)
+        stmt = sql.SQL("; ").join([stmt, _registry.statement(registering)])
+
     own_tx = status == IDLE and not conn.autocommit
     try:
         if stmt is None:  # the common case: one key, no timeout, no transaction of the caller's
@@ -487,6 +495,7 @@ def _session_lock(
             rows = _conn.run(conn, stmt, ctx)
         if own_tx:
             conn.commit()
+        _registry.mark(conn, registering)
     except BaseException as exc:
         _after_failed_session_lock(conn, status, undo, keys, shared)
         if isinstance(exc, LockNotAcquired):
@@ -650,8 +659,11 @@ def _xact_acquire(
     # One round trip in the common cases: the savepoint can be released in the same batch
     # unless a partial multi-key try must be rolled back or SET LOCAL must be undone.
     released = not timeout and not (try_ and len(keys) > 1)
+    registering = _registry.pending(conn, state, keys, names)
     if released:
         parts.append(_sql.release_savepoint())
+        if registering:
+            parts.append(_registry.statement(registering))
     try:
         results = _conn.run_all(conn, sql.SQL("; ").join(parts), ctx)
     except BaseException as exc:
@@ -672,7 +684,10 @@ def _xact_acquire(
         if timeout:
             lock_timeout, statement_timeout = results[0][0]
             tail.append(_sql.restore_timeouts(lock_timeout, statement_timeout))
+        if registering:
+            tail.append(_registry.statement(registering))
         _conn.run(conn, sql.SQL("; ").join(tail))
+    _registry.mark(conn, registering)
     started = results[-2][0][0]
     with state.cond:
         for k in [k for k, (_, s) in state.xact.items() if s != started]:

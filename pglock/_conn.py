@@ -262,6 +262,8 @@ class ConnState:
         self.cond = threading.Condition(threading.Lock())
         self.holds: dict[int, KeyHold] = {}
         self.probed = False
+        #: The name registry is installed and writable (learned by the probe).
+        self.registry = False
         self.backend_pid: int | None = None
         #: Session locks whose release could not be sent (failed transaction at exit).
         self.deferred: list[tuple[int, bool]] = []
@@ -309,7 +311,7 @@ def probe(conn: psycopg.Connection[Any], state: ConnState) -> None:
     Run inside the caller's statement sequence (the caller handles the transaction).
     """
     rows = run(conn, _sql.PROBE)
-    in_recovery, pid = rows[0]
+    in_recovery, pid, registry = rows[0]
     if in_recovery:
         raise UnsupportedServer(
             "this server is a hot standby (pg_is_in_recovery() is true): advisory locks on a "
@@ -317,6 +319,7 @@ def probe(conn: psycopg.Connection[Any], state: ConnState) -> None:
             "primary"
         )
     state.backend_pid = pid
+    state.registry = bool(registry)
     # PgBouncer (any mode) and other multiplexing poolers answer the startup with a cancel key
     # of their own, so the pid the client was told differs from the server's. Comparing them
     # costs nothing per lock: it is checked once, here.

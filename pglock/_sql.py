@@ -37,11 +37,110 @@ UNLOCK_ONE = {
     True: "SELECT pg_catalog.pg_advisory_unlock_shared(%s)",
 }
 
-PROBE = sql.SQL("SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.pg_backend_pid()")
+#: The name registry (see :mod:`pglock._registry`): key -> the name pglock took it for.
+NAMES_SCHEMA = "pglock"
+NAMES_TABLE = "lock_names"
+
+
+def _names_privilege(privilege: str) -> sql.Composed:
+    """True when the registry table exists and the current role may use it this way (a
+    catalog lookup: ``to_regclass`` would raise without USAGE on the schema)."""
+    return sql.SQL(
+        "COALESCE((SELECT pg_catalog.has_schema_privilege(n.oid, 'USAGE')"
+        " AND pg_catalog.has_table_privilege(c.oid, {privilege})"
+        " FROM pg_catalog.pg_class c"
+        " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = {schema} AND c.relname = {table}), false)"
+    ).format(
+        privilege=sql.Literal(privilege),
+        schema=sql.Literal(NAMES_SCHEMA),
+        table=sql.Literal(NAMES_TABLE),
+    )
+
+
+PROBE = sql.SQL(
+    "SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.pg_backend_pid(), {registry}"
+).format(registry=_names_privilege("INSERT"))
+
+NAMES_READABLE = sql.SQL("SELECT {}").format(_names_privilege("SELECT"))
+
+# Never fails and never waits more than 1 ms: a concurrent uncommitted registration of the same
+# key makes ON CONFLICT wait for that transaction, so lock_timeout is lowered for the INSERT
+# and restored afterwards (SET LOCAL inside a block that succeeds would outlive it). Names
+# travel hex-encoded, so no user text is ever inside the dollar-quoted body.
+_REGISTER = (
+    "DO $pglock$DECLARE lt text := pg_catalog.current_setting('lock_timeout'); BEGIN"
+    " IF pg_catalog.current_setting('transaction_isolation') <> 'serializable' THEN"
+    " BEGIN"
+    " SET LOCAL lock_timeout = '1ms';"
+    " INSERT INTO {table} (key, name) VALUES {values} ON CONFLICT (key) DO NOTHING;"
+    " EXCEPTION WHEN OTHERS THEN NULL;"
+    " END;"
+    " PERFORM pg_catalog.set_config('lock_timeout', lt, true);"
+    " END IF;"
+    " END$pglock$"
+)
+
+
+def register_names(pairs: Sequence[tuple[int, str]]) -> sql.Composed:
+    """Record ``(key, name)`` pairs in the name registry; never raises, returns no rows."""
+    values = sql.SQL(", ").join(
+        sql.SQL("({}, pg_catalog.convert_from(pg_catalog.decode({}, 'hex'), 'UTF8'))").format(
+            sql.Literal(k), sql.Literal(n.encode("utf-8").hex())
+        )
+        for k, n in pairs
+    )
+    return sql.SQL(_REGISTER).format(
+        table=sql.Identifier(NAMES_SCHEMA, NAMES_TABLE), values=values
+    )
 
 # Identifies the current transaction (its start time): transaction locks taken in it by one
 # thread must not be handed to another thread sharing the connection.
 TRANSACTION_START = sql.SQL("SELECT pg_catalog.transaction_timestamp()")
+
+# --- introspection (pglock._inspect) ---------------------------------------------------
+
+_ADVISORY_KEY = sql.SQL("((l.classid::bigint << 32) | l.objid::bigint)")
+
+
+def advisory_locks(
+    keys: Sequence[int] | None, *, with_names: bool, waitstart: bool
+) -> sql.Composed:
+    """Advisory locks in the current database: holders and waiters, with their sessions.
+
+    ``with_names`` joins the name registry; ``waitstart`` reads ``pg_locks.waitstart``
+    (PostgreSQL 14+)."""
+    key_filter: sql.Composable = sql.SQL("")
+    if keys is not None:
+        key_filter = sql.SQL(" AND l.objsubid = 1 AND {} = ANY({})").format(
+            _ADVISORY_KEY, _keys_array(keys)
+        )
+    name = (
+        sql.SQL("(SELECT r.name FROM {} r WHERE l.objsubid = 1 AND r.key = {})").format(
+            sql.Identifier(NAMES_SCHEMA, NAMES_TABLE), _ADVISORY_KEY
+        )
+        if with_names
+        else sql.SQL("NULL::text")
+    )
+    return sql.SQL(
+        "SELECT l.objsubid, l.classid::bigint, l.objid::bigint, {name} AS name,"
+        " l.mode, l.granted, l.pid,"
+        " a.application_name, pg_catalog.host(a.client_addr), a.client_port, a.usename,"
+        " a.backend_start, a.xact_start, a.query_start, a.state_change, a.state,"
+        " a.wait_event_type, a.query, {waitstart},"
+        " CASE WHEN NOT l.granted THEN pg_catalog.pg_blocking_pids(l.pid) END,"
+        " pg_catalog.clock_timestamp()"
+        " FROM pg_catalog.pg_locks l"
+        " LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid"
+        " WHERE l.locktype = 'advisory'"
+        " AND l.database = (SELECT d.oid FROM pg_catalog.pg_database d"
+        "                   WHERE d.datname = pg_catalog.current_database()){key_filter}"
+        " ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.pid"
+    ).format(
+        name=name,
+        waitstart=sql.SQL("l.waitstart" if waitstart else "NULL::timestamptz"),
+        key_filter=key_filter,
+    )
 
 
 def _keys_array(keys: Sequence[int]) -> sql.Composable:

@@ -1,0 +1,241 @@
+"""Introspection: who holds and who waits, by name.
+
+Postgres shows an advisory lock in ``pg_locks`` as two 32-bit numbers. pglock joins
+``pg_locks`` with ``pg_stat_activity`` (who: pid, application, client, query) and with its name
+registry (``pglock.lock_names``, see :mod:`pglock._registry`) to put the lock's name back.
+
+What Postgres does not record is *when* an advisory lock was granted. :class:`AdvisoryLock`
+says what can be derived, and how (:attr:`AdvisoryLock.held_since_basis`):
+
+* ``"statement"``: the session's latest statement is the one that took this key (its text calls
+  an advisory-lock function with the key), so the lock was granted during that statement:
+  ``held_since`` is when it finished (``state_change``; for a statement still running, when it
+  started). This is the usual case for a process that takes a lock and then works elsewhere
+  or waits.
+* ``"session"``: the session ran other statements since; the lock is at most as old as the
+  session (``backend_start``), so ``held_for`` is an upper bound.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+import psycopg
+
+from . import _conn, _sql
+from ._conn import IDLE
+from ._keys import normalize_names
+
+__all__ = ["AdvisoryLock", "advisory_locks"]
+
+_MODES = {"ExclusiveLock": "exclusive", "ShareLock": "shared"}
+
+# A call of any advisory-lock function (pglock's statements and hand-written ones).
+_LOCK_CALL = re.compile(r"pg_(?:try_)?advisory_(?:xact_)?lock(?:_shared)?\"?\s*\(", re.IGNORECASE)
+# pglock's single-key fast path: a blocking lock call with the key as a parameter. When such a
+# statement completed, it granted its key; which key, the text does not say.
+_PARAM_LOCK = re.compile(
+    r"pg_advisory_(?:xact_)?lock(?:_shared)?\"?\s*\(\s*\$1\s*\)", re.IGNORECASE
+)
+
+
+@dataclass(frozen=True)
+class AdvisoryLock:
+    """One session holding, or waiting for, an advisory lock (one row of ``pg_locks``).
+
+    Times come from the database server's clock; durations are measured against
+    :attr:`observed_at`, the server's clock when the snapshot was taken. Columns of
+    ``pg_stat_activity`` are None for sessions of other roles unless the caller is a superuser
+    or a member of ``pg_read_all_stats``.
+
+    Instances are immutable snapshots and can be shared between threads.
+    """
+
+    #: The lock's name, when pglock took it in a database with the name registry
+    #: installed (``pglock install``); None for keys taken by other code.
+    name: str | None
+    #: The signed 64-bit key (``pglock.key(name)``); None for a lock taken with two int4 keys.
+    key: int | None
+    #: The two int4 keys of ``pg_advisory_lock(int, int)``; None for 64-bit keys.
+    key_pair: tuple[int, int] | None
+    #: ``"exclusive"`` or ``"shared"``.
+    mode: str
+    #: True for a holder, False for a waiter.
+    granted: bool
+    #: The backend pid of the session (None for a prepared transaction).
+    pid: int | None
+    application_name: str | None
+    #: The client's IP address, or None for a Unix-socket or background session.
+    client_addr: str | None
+    client_port: int | None
+    #: The database role of the session.
+    user: str | None
+    backend_start: datetime | None
+    #: Start of the session's open transaction, or None.
+    xact_start: datetime | None
+    #: ``active``, ``idle``, ``idle in transaction``, ...
+    state: str | None
+    #: The session's current (``active``) or latest statement.
+    query: str | None
+    #: Lower bound of the grant time; see :attr:`held_since_basis` (None for waiters).
+    held_since: datetime | None
+    #: How :attr:`held_since` was derived: ``"statement"`` (the latest statement took the
+    #: lock) or ``"session"`` (an upper bound: the session start).
+    held_since_basis: Literal["statement", "session"] | None
+    #: When the waiter started waiting (``pg_locks.waitstart`` on PostgreSQL 14+; before 14,
+    #: the start of the waiting statement). None for holders.
+    waiting_since: datetime | None
+    #: For a waiter, the pids of the sessions it waits for (``pg_blocking_pids``).
+    blocked_by: tuple[int, ...]
+    #: The server's clock when this snapshot was taken.
+    observed_at: datetime
+
+    @property
+    def label(self) -> str:
+        """The name when known, else the key (``key 123`` or ``keys (1, 2)``)."""
+        if self.name is not None:
+            return self.name
+        if self.key is not None:
+            return f"key {self.key}"
+        return f"keys {self.key_pair}"
+
+    @property
+    def held_for(self) -> float | None:
+        """Seconds since :attr:`held_since` (an upper bound when the basis is
+        ``"session"``); None for waiters."""
+        if self.held_since is None:
+            return None
+        return max(0.0, (self.observed_at - self.held_since).total_seconds())
+
+    @property
+    def waiting_for(self) -> float | None:
+        """Seconds since :attr:`waiting_since`; None for holders."""
+        if self.waiting_since is None:
+            return None
+        return max(0.0, (self.observed_at - self.waiting_since).total_seconds())
+
+
+def advisory_locks(
+    conn: object, name: str | Sequence[str] | None = None
+) -> list[AdvisoryLock]:
+    """Who holds and who waits for advisory locks in ``conn``'s database.
+
+    Holders come before waiters for each lock; locks are ordered by key. Reading ``pg_locks``
+    takes a snapshot of the server's lock table: cheap, but not for a tight loop.
+
+    :param conn: a psycopg ``Connection`` (or a SQLAlchemy ``Connection``/``Session``); an idle
+        connection is left idle.
+    :param name: only this lock name (or these names); None lists every advisory lock.
+    :returns: one :class:`AdvisoryLock` per holding or waiting session.
+    :raises TypeError: ``conn`` or ``name`` has the wrong type.
+    :raises ValueError: an invalid name.
+
+    Example::
+
+        for lock in pglock.advisory_locks(conn, "report:daily"):
+            print(lock.label, lock.pid, lock.application_name, lock.granted, lock.held_for)
+    """
+    keys = None if name is None else [k for k, _ in normalize_names(name)]
+    target = _conn.resolve(conn)
+    c = target.conn
+    waitstart = c.info.server_version >= 140000
+
+    def query() -> list[tuple[Any, ...]]:
+        with_names = bool(_conn.run(c, _sql.NAMES_READABLE)[0][0])
+        return _conn.run(
+            c, _sql.advisory_locks(keys, with_names=with_names, waitstart=waitstart)
+        )
+
+    rows = _read(c, query)
+    return [_advisory_lock(row) for row in rows]
+
+
+def _read(conn: psycopg.Connection[Any], fn: Any) -> Any:
+    """Run read-only ``fn`` and leave an idle connection idle (no dangling transaction)."""
+    status = _conn.check_usable(conn)
+    if status == IDLE and not conn.autocommit:
+        try:
+            return fn()
+        finally:
+            if not (conn.closed or conn.broken):
+                conn.rollback()
+    return fn()
+
+
+def _int4(v: int) -> int:
+    return v - (1 << 32) if v >= (1 << 31) else v
+
+
+def _key_in_query(query: str | None, key: int) -> bool:
+    if not query or not _LOCK_CALL.search(query):
+        return False
+    return re.search(rf"(?<![0-9-]){key}(?![0-9])", query) is not None
+
+
+def _latest_statement_took(
+    query: str | None, key: int | None, pair: tuple[int, int] | None, held_by_pid: int
+) -> bool:
+    """Did the session's latest statement grant this lock?
+
+    Yes when it calls an advisory-lock function with this key written in it, or when it is a
+    blocking lock call with the key as a parameter (pglock's fast path) and this is the only
+    advisory lock the session holds."""
+    if key is not None and _key_in_query(query, key):
+        return True
+    if pair is not None and _key_in_query(query, pair[0]) and _key_in_query(query, pair[1]):
+        return True
+    return held_by_pid == 1 and query is not None and _PARAM_LOCK.search(query) is not None
+
+
+def _advisory_lock(row: tuple[Any, ...]) -> AdvisoryLock:
+    (
+        objsubid, classid, objid, name, mode, granted, pid, app, addr, port, user,
+        backend_start, xact_start, query_start, state_change, state, _wait_event_type,
+        query, waitstart, blocking, now, held_by_pid,
+    ) = row
+    if objsubid == 1:
+        key: int | None = _int4(classid) * (1 << 32) + objid
+        pair = None
+    else:
+        key = None
+        pair = (_int4(classid), _int4(objid))
+    held_since: datetime | None = None
+    basis: Literal["statement", "session"] | None = None
+    waiting_since: datetime | None = None
+    if granted:
+        took = _latest_statement_took(query, key, pair, held_by_pid)
+        if took and state == "active" and query_start is not None:
+            held_since, basis = query_start, "statement"
+        elif took and state is not None and state.startswith("idle") and state_change:
+            held_since, basis = state_change, "statement"
+        elif backend_start is not None:
+            held_since, basis = backend_start, "session"
+    else:
+        waiting_since = waitstart
+        if waiting_since is None and state == "active":
+            waiting_since = query_start
+    return AdvisoryLock(
+        name=name,
+        key=key,
+        key_pair=pair,
+        mode=_MODES.get(mode, mode),
+        granted=granted,
+        pid=pid,
+        application_name=app,
+        client_addr=addr,
+        client_port=port,
+        user=user,
+        backend_start=backend_start,
+        xact_start=xact_start,
+        state=state,
+        query=query,
+        held_since=held_since,
+        held_since_basis=basis,
+        waiting_since=waiting_since,
+        blocked_by=tuple(blocking or ()),
+        observed_at=now,
+    )

@@ -1,0 +1,81 @@
+"""The name registry: which lock name each advisory-lock key stands for.
+
+``pg_locks`` shows an advisory lock as two 32-bit halves of a 64-bit key; the name is lost in
+the hash. When the pglock schema is installed, pglock records ``(key, name)`` in the table
+``pglock.lock_names`` so that :func:`pglock.advisory_locks` and ``pglock status`` can show the
+name.
+
+Cost, by design:
+
+* at most one registration per (process, database, key): a process-wide cache remembers what
+  was sent (bounded: a process that touches more than :data:`MAX_CACHED` distinct keys may
+  send a registration again, which finds the row and writes nothing);
+* it rides in the same round trip as the lock statement that takes the key, after it, so a
+  waiter never holds an uncommitted registry row while it waits for the lock;
+* it never fails or slows the lock: the statement is a ``DO`` block that gives up after 1 ms
+  of waiting on a concurrent registration (``lock_timeout``) and swallows every error; it
+  skips SERIALIZABLE transactions, where an extra read could add a serialization failure to
+  the caller's transaction;
+* it is only sent when the connection's first pglock statement (the probe) found the table
+  and the INSERT privilege: ``REVOKE INSERT ON pglock.lock_names FROM <role>`` turns it off.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from . import _sql
+from ._conn import ConnState
+
+#: How many (database, key) pairs one process remembers as registered.
+MAX_CACHED = 100_000
+
+_seen: OrderedDict[tuple[tuple[Any, ...], int], None] = OrderedDict()
+_lock = threading.Lock()
+
+
+def _database(conn: psycopg.Connection[Any]) -> tuple[Any, ...]:
+    info = conn.info
+    return (info.host, info.port, info.dbname)
+
+
+def pending(
+    conn: psycopg.Connection[Any], state: ConnState, keys: Sequence[int], names: Sequence[str]
+) -> list[tuple[int, str]]:
+    """The ``(key, name)`` pairs this process has not registered yet in ``conn``'s database
+    (none when the registry is not installed or not writable there)."""
+    if not state.registry:
+        return []
+    db = _database(conn)
+    with _lock:
+        return [(k, n) for k, n in zip(keys, names, strict=True) if (db, k) not in _seen]
+
+
+def statement(pairs: Sequence[tuple[int, str]]) -> sql.Composed:
+    """The registration statement for ``pairs`` (see :func:`pglock._sql.register_names`)."""
+    return _sql.register_names(pairs)
+
+
+def mark(conn: psycopg.Connection[Any], pairs: Sequence[tuple[int, str]]) -> None:
+    """Remember that ``pairs`` were sent for ``conn``'s database."""
+    if not pairs:
+        return
+    db = _database(conn)
+    with _lock:
+        for k, _ in pairs:
+            _seen[(db, k)] = None
+            _seen.move_to_end((db, k))
+        while len(_seen) > MAX_CACHED:
+            _seen.popitem(last=False)
+
+
+def clear() -> None:
+    """Forget every registration this process sent (tests; after the schema was reinstalled)."""
+    with _lock:
+        _seen.clear()
