@@ -135,6 +135,8 @@ class PgLock:
                     f"this pg_lock handle for {self._names!r} is already held; create another "
                     "pg_lock(...) to re-enter from the same thread"
                 )
+            me = threading.current_thread()
+            state = _conn.state_for(self._target.conn)
             ok = _acquire(
                 self._target,
                 self._keys,
@@ -143,8 +145,9 @@ class PgLock:
                 timeout=timeout,
             )
             if ok:
-                self._owner = threading.current_thread()
-                self._state = _conn.state_for(self._target.conn)
+                # No calls between the grant and recording it: an interrupt cannot land here.
+                self._owner = me
+                self._state = state
             return ok
 
     def release(self) -> None:
@@ -166,7 +169,13 @@ class PgLock:
             _release(self._target.conn, self._keys, self._names, owner)
 
     def __enter__(self) -> Self:
-        if not self.acquire():
+        try:
+            ok = self.acquire()
+        except BaseException:
+            if self._owner is not None:  # interrupted right after the grant: no __exit__ will run
+                self.release()
+            raise
+        if not ok:
             raise LockNotAcquired(
                 self._names[0] if len(self._names) == 1 else ", ".join(self._names),
                 key=self._keys[0] if len(self._keys) == 1 else None,
@@ -385,14 +394,19 @@ def _acquire(
         remaining = _remaining(deadline)
         ctx = Context([names[keys.index(k)] for k in need], need, timeout)
         granted = _session_lock(conn, state, need, ctx, shared=shared, timeout=remaining)
+        if granted:
+            _settle(state, need, ())
+            logger.debug("acquired %r (%s)", names, "shared" if shared else "exclusive")
+    except BaseException:
+        if granted:
+            # Interrupted (KeyboardInterrupt) after Postgres granted the lock but before the
+            # handle could record it: nobody would release it, so give it back now.
+            _release(conn, keys, names, me)
+        raise
     finally:
         if not granted:
             _unreserve(state, keys, me)
             _settle(state, (), need)
-        else:
-            _settle(state, need, ())
-    if granted:
-        logger.debug("acquired %r (%s)", names, "shared" if shared else "exclusive")
     return granted
 
 
@@ -523,6 +537,7 @@ def _after_failed_session_lock(
 
     Postgres may have granted some keys (several names, or a grant racing the timeout or a
     cancel): session locks survive the rollback, so look in pg_locks and undo them."""
+    _conn.recover_interrupted(conn)
     if conn.closed or conn.broken:
         return  # the session is gone, and its locks with it
     try:
@@ -667,6 +682,7 @@ def _xact_acquire(
     try:
         results = _conn.run_all(conn, sql.SQL("; ").join(parts), ctx)
     except BaseException as exc:
+        _conn.recover_interrupted(conn)
         if not (conn.closed or conn.broken):
             try:
                 _conn.run(conn, _sql.rollback_to_savepoint())

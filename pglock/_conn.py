@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import logging
+import select
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -226,6 +228,36 @@ def run_all(
         if translated is None:
             raise
         raise translated from exc
+
+
+def recover_interrupted(conn: psycopg.Connection[Any], timeout: float = 5.0) -> None:
+    """Read what is left of a statement this thread was interrupted in, so the session can be
+    cleaned up and used again.
+
+    On KeyboardInterrupt psycopg cancels the statement and reads its results, except when the
+    interrupt lands inside its result-reading code: then the results stay unread, the
+    connection reports ACTIVE and refuses every statement ("another command is already in
+    progress"), and a lock that Postgres granted meanwhile could not be undone. If the server
+    does not finish within ``timeout`` the connection is closed (as psycopg does), which
+    releases the session's locks."""
+    if conn.closed or conn.pgconn.transaction_status != ACTIVE:
+        return
+    with conn.lock:  # a statement another thread runs finishes first
+        pgconn = conn.pgconn
+        deadline = time.monotonic() + timeout
+        try:
+            while pgconn.transaction_status == ACTIVE:
+                pgconn.consume_input()
+                while not pgconn.is_busy():
+                    if pgconn.get_result() is None:
+                        return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError("the interrupted statement did not finish")
+                select.select([pgconn.socket], [], [], min(remaining, 0.1))
+        except (psycopg.Error, OSError) as exc:  # TimeoutError is an OSError
+            logger.warning("closing a connection left busy by an interrupt: %s", exc)
+            conn.close()
 
 
 def translate(exc: psycopg.Error, ctx: Context) -> Exception | None:

@@ -851,3 +851,24 @@ def test_body_exception_not_masked_by_lock_lost(connect: Connect, name: str) -> 
         c.execute("SELECT pg_advisory_unlock_all()")
         raise KeyError("user error")
     assert holders(obs, name) == []
+
+
+def test_recover_interrupted_reads_unread_results(connect: Connect, name: str) -> None:
+    """The state an interrupt can leave behind (results of pglock's statement unread, the
+    connection ACTIVE and refusing statements) is repaired before pglock cleans up."""
+    from pglock import _conn
+
+    c, obs = connect(autocommit=False), connect()
+    c.execute("SELECT 1")
+    key = pglock.key(name)
+    c.pgconn.send_query(f"SAVEPOINT s; SELECT pg_advisory_lock({key}); SELECT 1/0".encode())
+    assert c.info.transaction_status == TransactionStatus.ACTIVE
+    with pytest.raises(psycopg.OperationalError, match="another command"):
+        c.execute("SELECT 1")
+    _conn.recover_interrupted(c)
+    assert c.info.transaction_status == TransactionStatus.INERROR
+    c.execute("ROLLBACK TO SAVEPOINT s")
+    assert held(obs, c.info.backend_pid) == [xk(name)]  # session locks survive the rollback
+    c.execute("SELECT pg_advisory_unlock(%s)", (key,))
+    c.rollback()
+    assert held(obs, c.info.backend_pid) == []
