@@ -315,3 +315,91 @@ def leader_holds(key: int, pid: int, backend_start: object) -> sql.Composed:
         " SELECT 1 FROM pg_catalog.pg_stat_activity a WHERE a.pid = {pid}"
         " AND (a.backend_start IS NULL OR a.backend_start = {start}))"
     ).format(pid=sql.Literal(pid), key=sql.Literal(key), start=sql.Literal(backend_start))
+
+
+# --- leases (pglock/_lease.py) and the schema install (pglock/_schema.py) -------------------
+#
+# The lease functions themselves live in the shipped revision
+# (pglock/migrations/versions/0001_leases.py); these statements call them. Every call is one
+# statement: one round trip, one commit on an autocommit connection.
+
+
+def lease_acquire(schema: str) -> sql.Composed:
+    """(name, holder, ttl, metadata json text, wait seconds, durable) -> one row:
+    granted, holder, token, acquired_at, expires_at, server_time."""
+    return sql.SQL(
+        "SELECT granted, holder, token, acquired_at, expires_at, server_time"
+        " FROM {}.acquire(%s::text, %s::text, %s::float8, %s::jsonb, %s::float8, %s::boolean)"
+    ).format(sql.Identifier(schema))
+
+
+def lease_extend(schema: str) -> sql.Composed:
+    """(name, holder, token or NULL for any, ttl, durable) -> zero or one row:
+    token, acquired_at, expires_at, metadata."""
+    return sql.SQL(
+        "SELECT token, acquired_at, expires_at, metadata"
+        " FROM {}.extend(%s::text, %s::text, %s::bigint, %s::float8, %s::boolean)"
+    ).format(sql.Identifier(schema))
+
+
+def lease_extend_many(schema: str) -> sql.Composed:
+    """(names[], holders[], tokens[], ttls[], durable) -> the (name, token, expires_at) of every
+    lease renewed; the missing ones are no longer held."""
+    return sql.SQL(
+        "SELECT name, token, expires_at"
+        " FROM {}.extend_many(%s::text[], %s::text[], %s::bigint[], %s::float8[], %s::boolean)"
+    ).format(sql.Identifier(schema))
+
+
+def lease_release(schema: str) -> sql.Composed:
+    """(name, holder, token) -> one row: status ('released', 'expired', 'not_held'), notified."""
+    return sql.SQL(
+        "SELECT status, notified FROM {}.release(%s::text, %s::text, %s::bigint)"
+    ).format(sql.Identifier(schema))
+
+
+def lease_guard(schema: str) -> sql.Composed:
+    """(name, holder, token) -> one boolean; locks the lease row until the transaction ends."""
+    return sql.SQL("SELECT {}.guard(%s::text, %s::text, %s::bigint)").format(
+        sql.Identifier(schema)
+    )
+
+
+def lease_info(schema: str) -> sql.Composed:
+    """(name) -> the live lease of that name, if any."""
+    return sql.SQL(
+        "SELECT name, holder, token, acquired_at, expires_at, metadata, expires_in"
+        " FROM {}.info(%s::text)"
+    ).format(sql.Identifier(schema))
+
+
+def lease_list(schema: str) -> sql.Composed:
+    """(prefix or NULL) -> every live lease, by name."""
+    return sql.SQL(
+        "SELECT name, holder, token, acquired_at, expires_at, metadata, expires_in"
+        " FROM {}.leases(%s::text)"
+    ).format(sql.Identifier(schema))
+
+
+def listen(channel: str) -> sql.Composed:
+    """Subscribe to lease releases (release() notifies the channel named after the schema)."""
+    return sql.SQL("LISTEN {}").format(sql.Identifier(channel))
+
+
+def schema_install_lock(lock_key: int) -> sql.Composed:
+    """Serializes installs of one schema (the revisions take the same lock)."""
+    return sql.SQL("SELECT pg_catalog.pg_advisory_xact_lock({})").format(sql.Literal(lock_key))
+
+
+def schema_revision_table(schema: str) -> sql.Composed:
+    """One row: the revision table's regclass, or NULL when the schema is not installed."""
+    return sql.SQL("SELECT pg_catalog.to_regclass({})").format(
+        sql.Literal(f"{sql.Identifier(schema).as_string(None)}.schema_revision")
+    )
+
+
+def schema_revisions(schema: str) -> sql.Composed:
+    """The revisions recorded as installed in ``schema``."""
+    return sql.SQL(
+        "SELECT revision FROM {}.schema_revision ORDER BY installed_at, revision"
+    ).format(sql.Identifier(schema))

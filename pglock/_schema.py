@@ -1,0 +1,221 @@
+"""The pglock schema: name validation, the shipped revisions, and the programmatic install.
+
+:func:`install` is what ``pglock install`` runs: it applies every shipped revision that the
+database does not have yet, in one transaction, under a transaction-level advisory lock on
+``pglock:install:<schema>`` (the revisions take the same lock under Alembic), so concurrent
+installs serialize and each object is created once. It needs only psycopg: the revisions keep
+their SQL in ``upgrade_statements(schema)``, which Alembic's ``upgrade()`` runs too.
+
+Installed revisions are recorded in ``<schema>.schema_revision`` by the revisions themselves,
+whichever way they were applied; the DDL is idempotent, so a schema installed by
+``pglock install`` can later be adopted by the user's own Alembic (``alembic upgrade pglock@head``
+runs the same statements again and changes nothing).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from . import _sql
+from ._keys import key
+
+#: The schema pglock installs into unless told otherwise.
+DEFAULT_SCHEMA = "pglock"
+
+#: Schema names pglock accepts: plain lower-case identifiers that need no quoting and are not
+#: truncated by Postgres (63 bytes at most).
+SCHEMA_PATTERN = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+
+def validate_schema(schema: object) -> str:
+    """Return ``schema`` if it is a plain lower-case identifier, else raise.
+
+    Accepted: ``^[a-z_][a-z0-9_]{0,62}$`` (so no quoting, no case folding, no truncation, no
+    injection), and not a ``pg_`` name (reserved by Postgres for system schemas).
+
+    :raises TypeError: not a ``str``.
+    :raises ValueError: anything else.
+    """
+    if not isinstance(schema, str):
+        raise TypeError(f"schema must be a str, not {type(schema).__name__}")
+    if not SCHEMA_PATTERN.fullmatch(schema):
+        raise ValueError(
+            f"invalid schema name {schema!r}: use 1 to 63 characters from a-z, 0-9 and _, "
+            "not starting with a digit (for example 'pglock')"
+        )
+    if schema.startswith("pg_"):
+        raise ValueError(f"invalid schema name {schema!r}: names starting with pg_ are reserved")
+    return schema
+
+
+def lease_channel(schema: str) -> str:
+    """The NOTIFY channel of lease releases in ``schema``: ``<schema>_lease``, the schema part
+    cut so that the channel fits Postgres's 63-byte identifiers. The payload is the lease name.
+    """
+    suffix = "_lease"
+    return schema[: 63 - len(suffix)] + suffix
+
+
+def install_lock_key(schema: str) -> int:
+    """The advisory-lock key that serializes installs of ``schema``."""
+    return key(f"pglock:install:{schema}")
+
+
+# --- the shipped revisions ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Revision:
+    """One shipped revision of the ``pglock`` branch."""
+
+    revision: str
+    down_revision: str | None
+    module: ModuleType
+
+    def upgrade_statements(self, schema: str) -> list[sql.Composed]:
+        fn = getattr(self.module, "upgrade_statements", None)
+        if fn is None:
+            raise RuntimeError(
+                f"revision {self.revision} has no upgrade_statements(); apply it with Alembic "
+                "('alembic upgrade pglock@head')"
+            )
+        statements: list[sql.Composed] = fn(schema)
+        return statements
+
+
+_revisions: list[Revision] | None = None
+_revisions_lock = threading.Lock()
+
+
+def revisions() -> list[Revision]:
+    """The shipped revisions, from the root of the ``pglock`` branch to its head."""
+    global _revisions
+    with _revisions_lock:
+        if _revisions is None:
+            _revisions = _load_revisions()
+        return list(_revisions)
+
+
+def head() -> str:
+    """The newest shipped revision id."""
+    return revisions()[-1].revision
+
+
+def _load_revisions() -> list[Revision]:
+    from .migrations import VERSIONS_DIR
+
+    by_down: dict[str | None, Revision] = {}
+    for path in sorted(Path(VERSIONS_DIR).glob("*.py")):
+        if path.name.startswith("__"):
+            continue
+        module = importlib.import_module(f"pglock.migrations.versions.{path.stem}")
+        rev = getattr(module, "revision", None)
+        if not isinstance(rev, str):
+            continue
+        down: Any = getattr(module, "down_revision", None)
+        if isinstance(down, (tuple, list)):
+            raise RuntimeError(f"revision {rev} is a merge point; pglock's branch is linear")
+        if down in by_down:
+            raise RuntimeError(
+                f"revisions {by_down[down].revision} and {rev} both follow {down!r}: "
+                "pglock's branch must be linear"
+            )
+        by_down[down] = Revision(rev, down, module)
+    ordered: list[Revision] = []
+    current: str | None = None  # the root revision has down_revision None
+    while current in by_down and len(ordered) <= len(by_down):
+        nxt = by_down[current]
+        ordered.append(nxt)
+        current = nxt.revision
+    if len(ordered) != len(by_down):
+        raise RuntimeError("some pglock revisions are not reachable from the root revision")
+    if not ordered:
+        raise RuntimeError(f"no pglock revisions found in {VERSIONS_DIR}")
+    return ordered
+
+
+# --- install ----------------------------------------------------------------------------------
+
+
+def installed_revisions(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list[str]:
+    """The pglock revisions recorded in ``schema`` of ``conn``'s database (``[]``: none).
+
+    Runs in the caller's transaction if one is open, else in its own autocommit statement.
+    """
+    schema = validate_schema(schema)
+    with conn.cursor() as cur:
+        cur.execute(_sql.schema_revision_table(schema))
+        row = cur.fetchone()
+        if row is None or row[0] is None:
+            return []
+        cur.execute(_sql.schema_revisions(schema))
+        return [r[0] for r in cur.fetchall()]
+
+
+def install(target: str | psycopg.Connection[Any], *, schema: str = DEFAULT_SCHEMA) -> list[str]:
+    """Install or upgrade the pglock schema; return the revisions applied now (``[]`` when it
+    was already up to date).
+
+    :param target: a DSN (pglock opens and closes a connection) or an idle psycopg
+        ``Connection`` (its transaction is committed here).
+    :param schema: the schema to install into (validated; default ``pglock``).
+    :raises TypeError, ValueError: a bad schema name or target, before any SQL.
+    :raises psycopg.Error: the database refused (no privilege, unreachable server, ...).
+
+    Safe to run concurrently: installs of one schema serialize on an advisory lock, and each
+    applies only what the previous ones left to do.
+
+    Example::
+
+        pglock._schema.install("postgresql://app@db/app", schema="pglock")
+    """
+    schema = validate_schema(schema)
+    plan = revisions()
+    if isinstance(target, str):
+        if not target.strip():
+            raise ValueError("the DSN must not be empty")
+        with psycopg.connect(target, autocommit=True) as conn:
+            return _install(conn, schema, plan)
+    if not isinstance(target, psycopg.Connection):
+        raise TypeError(
+            f"install() takes a DSN or a psycopg Connection, not {type(target).__name__}"
+        )
+    if target.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        raise ValueError("install() needs an idle connection (commit or roll back first)")
+    return _install(target, schema, plan)
+
+
+def _install(conn: psycopg.Connection[Any], schema: str, plan: list[Revision]) -> list[str]:
+    applied: list[str] = []
+    with conn.transaction(), conn.cursor() as cur:
+        cur.execute(_sql.schema_install_lock(install_lock_key(schema)))
+        done = set(installed_revisions(conn, schema))
+        for rev in plan:
+            if rev.revision in done:
+                continue
+            for stmt in rev.upgrade_statements(schema):
+                cur.execute(stmt)
+            applied.append(rev.revision)
+    return applied
+
+
+__all__ = [
+    "DEFAULT_SCHEMA",
+    "Revision",
+    "head",
+    "install",
+    "install_lock_key",
+    "installed_revisions",
+    "lease_channel",
+    "revisions",
+    "validate_schema",
+]

@@ -1,0 +1,1 @@
+"""pglock's Alembic revisions (one module per revision; see :mod:`pglock.migrations`)."""
