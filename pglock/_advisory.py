@@ -14,6 +14,18 @@ Transactions. On an idle connection pglock runs its statements in its own short 
 (autocommit statements, or an implicit transaction it commits), so the connection stays idle.
 Inside the caller's open transaction it works under a savepoint, so a failed or timed-out
 attempt leaves that transaction usable, and ``SET LOCAL`` timeouts are undone.
+
+Failed transactions. A connection whose transaction has failed accepts no statement until it
+is rolled back, so a new lock on it is refused (:class:`pglock.InvalidConnectionState`) before
+any SQL. A ``with pg_lock(...)`` block that exits while the caller's transaction is failed
+(typically the body's own SQL error) cannot send the unlock: the body's exception propagates
+unchanged, the handle is unlocked, and the release is *deferred* with a WARNING log. The session
+keeps holding the lock until the caller rolls back and pglock next uses the connection (any
+``pg_lock``/``xact_lock`` call flushes deferred unlocks first) or the pool reset hook runs.
+
+Interrupts. A KeyboardInterrupt while waiting cancels the statement (psycopg does); pglock then
+reads any unread results, looks in ``pg_locks`` and gives back a lock that Postgres granted just
+before the cancel, so nothing stays held and the connection stays usable.
 """
 
 from __future__ import annotations
