@@ -28,6 +28,7 @@ from . import _conn, _sql
 from ._advisory import PgLock
 from ._conn import IDLE, INERROR, INTRANS
 from ._keys import normalize_names, validate_flag, validate_name, validate_timeout
+from ._schema import validate_schema
 from .errors import LockNotAcquired, UnsupportedServer
 
 if TYPE_CHECKING:
@@ -311,12 +312,12 @@ class PoolLock:
             errors.append(e)
         if not errors:
             return
+        first = errors[0] if body_ok else exc
+        for err in errors:
+            if err is not first:  # never mask the first failure (the body's, if it raised)
+                logger.warning("finishing pool_lock %r after %r: %r", self.names, first, err)
         if body_ok:
             raise errors[0]
-        for err in errors:  # never mask the body's exception
-            logger.warning(
-                "finishing pool_lock %r after the block raised %r: %r", self.names, exc, err
-            )
 
 
 def _end_transaction(kind: str, conn: Any, *, commit: bool) -> None:
@@ -440,16 +441,6 @@ def _validate_namespace(namespace: object) -> str | None:
     return namespace
 
 
-def _validate_schema(schema: object) -> str:
-    if not isinstance(schema, str):
-        raise TypeError(f"schema must be a str, not {type(schema).__name__}")
-    if not schema or "\x00" in schema or len(schema.encode("utf-8", "replace")) > 63:
-        raise ValueError(
-            f"schema must be a Postgres identifier of 1 to 63 bytes without NUL, got {schema!r}"
-        )
-    return schema
-
-
 class Locker:
     """The one configured entry point for an application's locks.
 
@@ -491,7 +482,7 @@ class Locker:
         pool_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self._namespace = _validate_namespace(namespace)
-        self._schema = _validate_schema(schema)
+        self._schema = validate_schema(schema)
         self._timeout = validate_timeout(timeout)
         self._dsn: str | None = None
         self._external: object = None

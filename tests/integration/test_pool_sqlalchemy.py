@@ -1,0 +1,406 @@
+"""Pool-aware locking with SQLAlchemy: ``pool_lock(engine)`` and ``release_on_checkin``.
+
+A ``QueuePool`` of size 1 (no overflow) makes the next checkout reuse the same backend (checked
+by pid) unless pglock had the connection invalidated.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from psycopg import sql
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import QueuePool
+
+import pglock
+import pglock.sqlalchemy
+
+MakeEngine = Callable[..., sa.Engine]
+
+
+def advisory_held(observer: psycopg.Connection[Any], pid: int) -> list[tuple[int, str]]:
+    rows = observer.execute(
+        "SELECT (classid::bigint << 32) | objid::bigint, mode FROM pg_locks "
+        "WHERE locktype = 'advisory' AND granted AND pid = %s ORDER BY 1, 2",
+        (pid,),
+    ).fetchall()
+    return [(k, m) for k, m in rows]
+
+
+def sa_url(dsn: str, driver: str = "psycopg") -> sa.URL:
+    return make_url(dsn).set(drivername=f"postgresql+{driver}")
+
+
+@pytest.fixture
+def make_engine(pg_dsn: str, app_name: str) -> Iterator[MakeEngine]:
+    engines: list[sa.Engine] = []
+
+    def factory(size: int = 1, *, hook: bool = True, **kwargs: Any) -> sa.Engine:
+        engine = sa.create_engine(
+            sa_url(pg_dsn),
+            poolclass=QueuePool,
+            pool_size=size,
+            max_overflow=0,
+            pool_timeout=10,
+            connect_args={"application_name": app_name},
+            **kwargs,
+        )
+        if hook:
+            pglock.sqlalchemy.release_on_checkin(engine)
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        engine.dispose()
+
+
+def pid_of(conn: sa.Connection | Session) -> int:
+    value = conn.execute(sa.text("SELECT pg_backend_pid()")).scalar_one()
+    return int(value)
+
+
+def checkout_pid(engine: sa.Engine) -> int:
+    with engine.connect() as c:
+        return pid_of(c)
+
+
+# --- pool_lock(engine) -----------------------------------------------------------------------
+
+
+def test_pool_lock_yields_a_sqlalchemy_connection_holding_the_lock(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    engine = make_engine()
+    with pglock.pool_lock(engine, name, timeout=5) as conn:
+        assert isinstance(conn, sa.Connection)
+        pid = pid_of(conn)
+        assert advisory_held(other, pid) == [(pglock.key(name), "ExclusiveLock")]
+    assert advisory_held(other, pid) == []
+    assert checkout_pid(engine) == pid
+
+
+def test_pool_lock_engine_contention(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    engine = make_engine()
+    with pglock.pg_lock(other, name):
+        with pytest.raises(pglock.LockNotAcquired), pglock.pool_lock(engine, name, timeout=0):
+            pytest.fail("the body ran without the lock")
+        with pytest.raises(pglock.LockNotAcquired), pglock.pool_lock(engine, name, timeout=0.1):
+            pytest.fail("the body ran without the lock")
+    pid = checkout_pid(engine)
+    assert advisory_held(other, pid) == []
+
+
+def test_pool_lock_engine_commits_on_success_and_rolls_back_on_error(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    table = f"t_{uuid.uuid4().hex[:12]}"
+    other.execute(sql.SQL("CREATE TABLE {} (v int)").format(sql.Identifier(table)))
+    try:
+        engine = make_engine()
+        insert = sa.text(f'INSERT INTO "{table}" VALUES (:v)')
+        with pglock.pool_lock(engine, name) as conn:
+            conn.execute(insert, {"v": 1})
+        with pytest.raises(ZeroDivisionError), pglock.pool_lock(engine, name) as conn:
+            conn.execute(insert, {"v": 2})
+            1 / 0  # noqa: B018
+        with pglock.pool_lock(engine, name) as conn:  # commit-as-you-go inside the block
+            conn.execute(insert, {"v": 3})
+            conn.commit()
+            conn.execute(insert, {"v": 4})
+            conn.rollback()
+        rows = other.execute(sql.SQL("SELECT v FROM {} ORDER BY v").format(sql.Identifier(table)))
+        assert rows.fetchall() == [(1,), (3,)]
+    finally:
+        other.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(table)))
+
+
+# --- acceptance: nothing survives the return to the pool ---------------------------------------
+
+
+def test_lock_left_by_raw_sql_is_gone_at_next_checkout(
+    make_engine: MakeEngine,
+    other: psycopg.Connection[Any],
+    name: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = make_engine()
+    k = pglock.key(name)
+    with caplog.at_level(logging.WARNING, logger="pglock"):
+        with engine.connect() as conn:
+            pid = pid_of(conn)
+            conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": k})
+            conn.commit()
+        with engine.connect() as conn:
+            assert pid_of(conn) == pid
+            assert advisory_held(other, pid) == []
+    assert any(str(k) in r.getMessage() for r in caplog.records if r.name == "pglock.pool")
+
+
+def test_lock_left_inside_an_open_transaction_is_gone_at_next_checkout(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    engine = make_engine()
+    k = pglock.key(name)
+    with engine.connect() as conn:  # closed with its transaction still open: rolled back
+        pid = pid_of(conn)
+        conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": k})
+    with engine.connect() as conn:
+        assert pid_of(conn) == pid
+        assert advisory_held(other, pid) == []
+
+
+def test_without_the_hook_the_lock_survives_checkin(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    """Negative control: SQLAlchemy's rollback-on-return keeps session locks."""
+    engine = make_engine(hook=False)
+    k = pglock.key(name)
+    with engine.connect() as conn:
+        pid = pid_of(conn)
+        conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": k})
+        conn.commit()
+    with engine.connect() as conn:
+        try:
+            assert pid_of(conn) == pid
+            assert advisory_held(other, pid) == [(k, "ExclusiveLock")]
+        finally:
+            conn.execute(sa.text("SELECT pg_advisory_unlock_all()"))
+            conn.commit()
+
+
+def test_lock_of_a_body_that_raised_is_gone_at_next_checkout(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    engine = make_engine()
+    with pytest.raises(KeyError), pglock.pool_lock(engine, name) as conn:
+        pid = pid_of(conn)
+        raise KeyError("boom")
+    with engine.connect() as conn:
+        assert pid_of(conn) == pid
+        assert advisory_held(other, pid) == []
+
+
+def test_session_closed_while_holding_pg_lock(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    engine = make_engine()
+    session = Session(engine)
+    lock = pglock.pg_lock(session, name)
+    assert lock.acquire()
+    pid = pid_of(session)
+    session.close()  # the connection goes back to the pool: the hook releases
+    assert advisory_held(other, pid) == []
+    assert not lock.locked
+    with pytest.raises(pglock.LockLost):
+        lock.release()
+    assert checkout_pid(engine) == pid
+
+
+def test_backend_terminated_in_the_body_is_discarded(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    engine = make_engine()
+    with pytest.raises(sa.exc.OperationalError), pglock.pool_lock(engine, name) as conn:
+        pid = pid_of(conn)
+        other.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+        conn.execute(sa.text("SELECT 1"))
+    with engine.connect() as conn:
+        new_pid = pid_of(conn)
+        assert new_pid != pid
+        assert advisory_held(other, new_pid) == []
+
+
+def test_backend_terminated_unnoticed_by_the_body_raises_lock_lost(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    engine = make_engine()
+    with pytest.raises(pglock.LockLost), pglock.pool_lock(engine, name) as conn:
+        pid = conn.connection.driver_connection.info.backend_pid  # no transaction begun
+        other.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+    new_pid = checkout_pid(engine)
+    assert new_pid != pid
+    assert advisory_held(other, new_pid) == []
+
+
+def test_backend_terminated_with_the_body_transaction_open_raises_the_commit_error(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    engine = make_engine()
+    with pytest.raises(sa.exc.OperationalError), pglock.pool_lock(engine, name) as conn:
+        pid = pid_of(conn)  # begins a transaction that cannot commit
+        other.execute("SELECT pg_terminate_backend(%s, 5000)", (pid,))
+    new_pid = checkout_pid(engine)
+    assert new_pid != pid
+    assert advisory_held(other, new_pid) == []
+
+
+def test_unconfirmed_release_invalidates_the_connection(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    engine = make_engine(hook=False)
+    with pytest.raises(pglock.LockLost), pglock.pool_lock(engine, name) as conn:
+        pid = pid_of(conn)
+        conn.execute(sa.text("SELECT pg_advisory_unlock_all()"))
+    assert checkout_pid(engine) != pid
+
+
+def test_failed_transaction_in_the_body(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    engine = make_engine()
+    with pglock.pool_lock(engine, name) as conn:
+        pid = pid_of(conn)
+        with pytest.raises(sa.exc.DataError):
+            conn.execute(sa.text("SELECT 1/0"))
+    with engine.connect() as conn:
+        assert pid_of(conn) == pid
+        assert advisory_held(other, pid) == []
+
+
+def test_release_on_checkin_is_idempotent_and_accepts_a_pool(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    engine = make_engine()
+    pglock.sqlalchemy.release_on_checkin(engine)
+    pglock.sqlalchemy.release_on_checkin(engine.pool)
+    assert len(engine.pool.dispatch.reset) == 1
+    with engine.connect() as conn:
+        pid = pid_of(conn)
+        conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": pglock.key(name)})
+    assert advisory_held(other, pid) == []
+
+
+# --- drivers and bad input -------------------------------------------------------------------
+
+
+def test_pool_lock_refuses_another_driver(pg_dsn: str, name: str) -> None:
+    engine = sa.create_engine(sa_url(pg_dsn, "psycopg2"))
+    try:
+        with pytest.raises(TypeError, match=r"postgresql\+psycopg2"):
+            pglock.pool_lock(engine, name)
+        with pytest.raises(TypeError, match="psycopg"):
+            pglock.sqlalchemy.release_on_checkin(engine)
+    finally:
+        engine.dispose()
+
+
+def test_pool_lock_refuses_sqlite(name: str) -> None:
+    engine = sa.create_engine("sqlite://")
+    with pytest.raises(TypeError, match="sqlite"):
+        pglock.pool_lock(engine, name)
+
+
+def test_pool_lock_points_a_connection_or_session_to_pg_lock(
+    make_engine: MakeEngine, name: str
+) -> None:
+    engine = make_engine()
+    with engine.connect() as conn, pytest.raises(TypeError, match="pg_lock"):
+        pglock.pool_lock(conn, name)
+    with Session(engine) as session, pytest.raises(TypeError, match="pg_lock"):
+        pglock.pool_lock(session, name)
+
+
+def test_pool_lock_refuses_an_async_engine(pg_dsn: str, name: str) -> None:
+    pytest.importorskip("greenlet", reason="SQLAlchemy's asyncio needs greenlet")
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    engine = create_async_engine(sa_url(pg_dsn))
+    with pytest.raises(TypeError, match="synchronous"):
+        pglock.pool_lock(engine, name)
+
+
+def test_release_on_checkin_refuses_other_objects() -> None:
+    with pytest.raises(TypeError, match="Engine or Pool"):
+        pglock.sqlalchemy.release_on_checkin("postgresql+psycopg://")  # type: ignore[arg-type]
+
+
+# --- 8 threads, a QueuePool of 4 --------------------------------------------------------------
+
+
+def run_counter(
+    pg_dsn: str,
+    app_name: str,
+    section: Callable[[], AbstractContextManager[Any]],
+    *,
+    threads: int = 8,
+    rounds: int = 10,
+) -> tuple[int, int]:
+    """Lost-update oracle (see test_pool.run_counter). Returns (counter, acknowledged)."""
+    table = f"counter_{uuid.uuid4().hex[:12]}"
+    ident = sql.Identifier(table)
+    with psycopg.connect(pg_dsn, autocommit=True, application_name=app_name) as setup:
+        setup.execute(sql.SQL("CREATE TABLE {} (v int)").format(ident))
+        setup.execute(sql.SQL("INSERT INTO {} VALUES (0)").format(ident))
+    acked = 0
+    ack_lock = threading.Lock()
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads)
+
+    def worker(i: int) -> None:
+        nonlocal acked
+        rng = random.Random(i)
+        try:
+            with psycopg.connect(pg_dsn, autocommit=True, application_name=app_name) as side:
+                start.wait(timeout=30)
+                for _ in range(rounds):
+                    with section():
+                        row = side.execute(sql.SQL("SELECT v FROM {}").format(ident)).fetchone()
+                        assert row is not None
+                        time.sleep(rng.uniform(0, 0.003))
+                        side.execute(sql.SQL("UPDATE {} SET v = %s").format(ident), (row[0] + 1,))
+                    with ack_lock:
+                        acked += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=90)
+    assert not any(t.is_alive() for t in ts), "a worker hung"
+    assert not errors, errors
+    with psycopg.connect(pg_dsn, autocommit=True, application_name=app_name) as check:
+        row = check.execute(sql.SQL("SELECT v FROM {}").format(ident)).fetchone()
+        check.execute(sql.SQL("DROP TABLE {}").format(ident))
+    assert row is not None
+    return row[0], acked
+
+
+def test_eight_threads_share_a_queue_pool_of_four(
+    pg_dsn: str, app_name: str, make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    engine = make_engine(size=4)
+    v, acked = run_counter(pg_dsn, app_name, lambda: pglock.pool_lock(engine, name))
+    assert acked == 80
+    assert v == acked
+    assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+    held = other.execute(
+        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+        "WHERE l.locktype = 'advisory' AND a.application_name = %s",
+        (app_name,),
+    ).fetchone()
+    assert held == (0,)
+
+
+def test_negative_control_queue_pool_without_the_lock_loses_updates(
+    pg_dsn: str, app_name: str, make_engine: MakeEngine
+) -> None:
+    engine = make_engine(size=4)
+    v, acked = run_counter(pg_dsn, app_name, lambda: engine.connect())
+    assert acked == 80
+    assert v < acked, "the oracle found no lost update without a lock: it proves nothing"
