@@ -18,6 +18,7 @@ from the test package.
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 import uuid
@@ -182,7 +183,7 @@ class Verdict:
 
     @property
     def tokens_increasing(self) -> bool:
-        return all(a < b for a, b in zip(self.tokens, self.tokens[1:], strict=False))
+        return all(a < b for a, b in itertools.pairwise(self.tokens))
 
     @property
     def clean(self) -> bool:
@@ -218,12 +219,12 @@ def max_concurrency(intervals: Iterable[tuple[int, int | None]]) -> int:
 
 # --- Postgres truth ---------------------------------------------------------------------------
 
+# No pg_database in here: it is a shared catalog, and locking it needs a slot in the shared
+# lock table, which T24 fills. Filter by pid (a backend belongs to one database) instead.
 _ADVISORY = (
     "SELECT l.pid, ((l.classid::bigint << 32) | l.objid::bigint) AS key, l.mode, l.granted"
     " FROM pg_catalog.pg_locks l"
     " WHERE l.locktype = 'advisory' AND l.objsubid = 1"
-    "   AND l.database = (SELECT oid FROM pg_catalog.pg_database"
-    "                     WHERE datname = pg_catalog.current_database())"
 )
 
 
