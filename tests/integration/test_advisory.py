@@ -402,7 +402,7 @@ def test_shared_locks_from_threads_on_one_connection_coexist(connect: Connect, n
 
 
 def test_reentry_same_thread_is_counted_without_sql(counting: Connect, other: Any) -> None:
-    c = counting()
+    c: Any = counting()
     name = f"test:{uuid.uuid4()}"
     pid = c.info.backend_pid
     with pglock.pg_lock(c, name):
@@ -740,7 +740,7 @@ def test_properties_and_repr(connect: Connect) -> None:
 
 
 def test_failed_transaction_refused_before_any_sql(counting: Connect, other: Any) -> None:
-    c = counting(autocommit=False)
+    c: Any = counting(autocommit=False)
     name = f"test:{uuid.uuid4()}"
     with pytest.raises(psycopg.errors.DivisionByZero):
         c.execute("SELECT 1/0")
@@ -858,7 +858,8 @@ def test_recover_interrupted_reads_unread_results(connect: Connect, name: str) -
     connection ACTIVE and refusing statements) is repaired before pglock cleans up."""
     from pglock import _conn
 
-    c, obs = connect(autocommit=False), connect()
+    c: Any = connect(autocommit=False)
+    obs = connect()
     c.execute("SELECT 1")
     key = pglock.key(name)
     c.pgconn.send_query(f"SAVEPOINT s; SELECT pg_advisory_lock({key}); SELECT 1/0".encode())

@@ -18,6 +18,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -111,7 +112,7 @@ def _has_user(name: str) -> bool:
         return False
 
 
-def _advisory(conn: psycopg.Connection[object]) -> list[tuple[object, ...]]:
+def _advisory(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:
     return conn.execute(
         "SELECT pid, mode FROM pg_locks WHERE locktype = 'advisory' AND granted"
     ).fetchall()

@@ -4,6 +4,7 @@ nothing changes (statements sent, the backend's activity, pg_locks, transaction 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -99,15 +100,15 @@ BAD_TIMEOUTS: list[tuple[str, object, type[BaseException]]] = [
 CASES: list[Case] = []
 for _id, _name, _exc in BAD_NAMES:
     CASES += [
-        Case(f"name-{_id}-pg_lock", lambda c, n=_name: enter(c, n), _exc),
-        Case(f"name-{_id}-xact_lock", lambda c, n=_name: xact(c, n), _exc),
-        Case(f"name-{_id}-try_xact_lock", lambda c, n=_name: try_xact(c, n), _exc),
+        Case(f"name-{_id}-pg_lock", functools.partial(enter, names=_name), _exc),
+        Case(f"name-{_id}-xact_lock", functools.partial(xact, names=_name), _exc),
+        Case(f"name-{_id}-try_xact_lock", functools.partial(try_xact, names=_name), _exc),
     ]
 for _id, _t, _exc in BAD_TIMEOUTS:
     CASES += [
-        Case(f"timeout-{_id}-pg_lock", lambda c, t=_t: enter(c, timeout=t), _exc),
-        Case(f"timeout-{_id}-acquire", lambda c, t=_t: acquire(c, timeout=t), _exc),
-        Case(f"timeout-{_id}-xact_lock", lambda c, t=_t: xact(c, timeout=t), _exc),
+        Case(f"timeout-{_id}-pg_lock", functools.partial(enter, timeout=_t), _exc),
+        Case(f"timeout-{_id}-acquire", functools.partial(acquire, timeout=_t), _exc),
+        Case(f"timeout-{_id}-xact_lock", functools.partial(xact, timeout=_t), _exc),
     ]
 CASES += [
     Case("shared-yes-pg_lock", lambda c: enter(c, shared="yes"), TypeError),
@@ -199,7 +200,7 @@ def wrong_conn(pg_dsn: str, app_name: str) -> Iterator[Callable[[str], tuple[obj
         if kind == "dsn":
             return pg_dsn, None
         if kind == "psycopg2":
-            import psycopg2  # type: ignore[import-untyped]
+            import psycopg2
 
             c2 = psycopg2.connect(pg_dsn, application_name=app_name)
             cleanups.append(c2.close)
@@ -209,7 +210,12 @@ def wrong_conn(pg_dsn: str, app_name: str) -> Iterator[Callable[[str], tuple[obj
             ac = loop.run_until_complete(
                 psycopg.AsyncConnection.connect(pg_dsn, application_name=app_name)
             )
-            cleanups.append(lambda: (loop.run_until_complete(ac.close()), loop.close()))
+
+            def close_async() -> None:
+                loop.run_until_complete(ac.close())
+                loop.close()
+
+            cleanups.append(close_async)
             return ac, ac.info.backend_pid
         if kind == "engine":
             url = sa.engine.make_url(pg_dsn).set(drivername="postgresql+psycopg")

@@ -129,11 +129,9 @@ def test_sqlalchemy_connection_pg_lock(engine: sa.Engine, other: Any, name: str)
         pid = pid_of(sc)
         with pglock.pg_lock(sc, name):
             assert held(other, pid) == [xk(name)]
-            assert (
-                not sc.in_transaction()
-                or sc.connection.driver_connection.info.transaction_status
-                == psycopg.pq.TransactionStatus.IDLE
-            )  # type: ignore[union-attr]
+            raw = sc.connection.driver_connection
+            assert isinstance(raw, psycopg.Connection)
+            assert raw.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
         assert held(other, pid) == []
         # Inside SQLAlchemy's transaction, with work done before.
         with sc.begin():

@@ -282,8 +282,13 @@ def test_two_threads_same_transaction_refused(connect: Connect, name: str) -> No
     assert c.info.transaction_status == INTRANS
     c.commit()
     assert held(obs, c.info.backend_pid) == []
+
     # In a new transaction the other thread may take it.
-    t = threading.Thread(target=lambda: (pglock.xact_lock(c, name), c.commit()))
+    def take_and_commit() -> None:
+        pglock.xact_lock(c, name)
+        c.commit()
+
+    t = threading.Thread(target=take_and_commit)
     t.start()
     t.join(10)
     assert len(errors) == 1
