@@ -57,8 +57,8 @@ class Settings:
     def full(cls) -> Settings:
         return cls(
             quick=False,
-            blocks=20,
-            cycles_per_block=150,
+            blocks=30,
+            cycles_per_block=100,
             threads=8,
             seconds=1.5,
             reps=3,

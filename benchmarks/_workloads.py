@@ -31,6 +31,24 @@ from ._common import (
 # --- the alternating-blocks engine (A and G) ---------------------------------------------------
 
 
+class _Block:
+    """One block of timed cycles."""
+
+    def __init__(self, f: Callable[[], None], n: int) -> None:
+        clock = time.perf_counter_ns
+        samples: list[float] = []
+        cpu0 = time.thread_time()
+        start = clock()
+        for _ in range(n):
+            t = clock()
+            f()
+            samples.append((clock() - t) / 1000.0)
+        self.elapsed = (clock() - start) / 1e9
+        self.cpu_us = (time.thread_time() - cpu0) * 1e6 / n
+        self.samples = samples
+        self.p50 = median(samples)
+
+
 def alternate(
     cycles: dict[str, Callable[[], None]],
     *,
@@ -39,12 +57,16 @@ def alternate(
     floor: str,
     warmup: int = 20,
 ) -> dict[str, dict[str, Any]]:
-    """Time each callable ``per_block`` times per block, for ``blocks`` blocks, rotating the
-    order every block so that every one of them sees the same machine speed as the floor.
+    """Time every callable against ``floor`` in adjacent blocks of ``per_block`` cycles.
 
-    Returns, per key: p50/p99/mean latency (µs) over all cycles, the median over blocks of
-    cycles per second, the ratio of medians against ``floor`` and the spread of the per-block
-    ratios (each block paired with the floor's block of the same round).
+    Each of ``blocks`` rounds runs, for every other callable X (in a rotating order), a block of
+    the floor and a block of X back to back (which one goes first alternates), so that X and
+    the floor blocks it is compared with see the same machine speed even on a noisy machine.
+
+    Returns, per key: p50/p99/mean wall latency (µs) over all cycles; client CPU per cycle (µs,
+    median over blocks; this thread only); cycles per second (median over blocks); ``ratio``,
+    the p50 of X over the p50 of the floor blocks paired with X (the ratio of medians); and the
+    min/median/max of the per-round ratios. The floor's own figures pool all its blocks.
     """
     failed: dict[str, str] = {}
     for key, f in cycles.items():
@@ -53,52 +75,63 @@ def alternate(
                 f()
         except Exception as exc:
             failed[key] = repr(exc)
-    live = [k for k in cycles if k not in failed]
-    lat: dict[str, list[float]] = {k: [] for k in live}
-    block_p50: dict[str, list[float]] = {k: [] for k in live}
-    rate: dict[str, list[float]] = {k: [] for k in live}
-    clock = time.perf_counter_ns
+    if floor in failed:
+        raise RuntimeError(f"the floor {floor!r} failed: {failed[floor]}")
+    others = [k for k in cycles if k != floor and k not in failed]
+    runs: dict[str, list[_Block]] = {k: [] for k in cycles}
+    paired_floor: dict[str, list[_Block]] = {k: [] for k in others}
     for b in range(blocks):
-        shift = b % max(1, len(live))
-        for key in live[shift:] + live[:shift]:
+        shift = b % max(1, len(others))
+        for key in others[shift:] + others[:shift]:
             if key in failed:
                 continue
-            f = cycles[key]
-            samples: list[float] = []
             try:
-                start = clock()
-                for _ in range(per_block):
-                    t = clock()
-                    f()
-                    samples.append((clock() - t) / 1000.0)
-                elapsed = (clock() - start) / 1e9
+                if b % 2 == 0:
+                    fb, xb = _Block(cycles[floor], per_block), _Block(cycles[key], per_block)
+                else:
+                    xb, fb = _Block(cycles[key], per_block), _Block(cycles[floor], per_block)
             except Exception as exc:
                 failed[key] = repr(exc)
                 continue
-            lat[key].extend(samples)
-            block_p50[key].append(median(samples))
-            rate[key].append(per_block / elapsed)
+            runs[key].append(xb)
+            runs[floor].append(fb)
+            paired_floor[key].append(fb)
     out: dict[str, dict[str, Any]] = {}
-    floor_p50 = median(lat[floor]) if lat.get(floor) else float("nan")
     for key in cycles:
         if key in failed:
             out[key] = {"error": failed[key]}
             continue
-        p50 = median(lat[key])
-        paired = [
-            a / f for a, f in zip(block_p50[key], block_p50.get(floor, []), strict=False) if f > 0
-        ]
-        out[key] = {
+        mine = runs[key]
+        lat = [x for blk in mine for x in blk.samples]
+        p50 = median(lat)
+        entry: dict[str, Any] = {
             "p50_us": rnd(p50, 1),
-            "p99_us": rnd(percentile(lat[key], 99), 1),
-            "mean_us": rnd(sum(lat[key]) / len(lat[key]), 1),
-            "cycles_per_s": rnd(median(rate[key]), 0),
-            "ratio": rnd(p50 / floor_p50, 3),
-            "ratio_blocks": [rnd(min(paired), 3), rnd(median(paired), 3), rnd(max(paired), 3)]
-            if paired
-            else None,
-            "cycles": len(lat[key]),
+            "p99_us": rnd(percentile(lat, 99), 1),
+            "mean_us": rnd(sum(lat) / len(lat), 1) if lat else None,
+            "cpu_us": rnd(median([blk.cpu_us for blk in mine]), 1),
+            "cycles_per_s": rnd(median([per_block / blk.elapsed for blk in mine]), 0),
+            "cycles": len(lat),
         }
+        if key == floor:
+            entry.update(ratio=1.0, cpu_ratio=1.0, ratio_blocks=[1.0, 1.0, 1.0])
+        else:
+            fl = paired_floor[key]
+            floor_p50 = median([x for blk in fl for x in blk.samples])
+            per_round = [x.p50 / f.p50 for x, f in zip(mine, fl, strict=True) if f.p50 > 0]
+            floor_cpu = median([blk.cpu_us for blk in fl])
+            entry.update(
+                ratio=rnd(p50 / floor_p50, 3),
+                cpu_ratio=rnd(entry["cpu_us"] / floor_cpu, 3) if floor_cpu > 0 else None,
+                floor_p50_us=rnd(floor_p50, 1),
+                ratio_blocks=[
+                    rnd(min(per_round), 3),
+                    rnd(median(per_round), 3),
+                    rnd(max(per_round), 3),
+                ]
+                if per_round
+                else None,
+            )
+        out[key] = entry
     return out
 
 
@@ -149,15 +182,17 @@ def workload_a(ctx: Context, adapters: Sequence[Adapter]) -> dict[str, Any]:
     for a in chosen:
         res[a.key].update(label=a.label, group=a.group, round_trips=rts.get(a.key))
     out: dict[str, Any] = {"floor": "raw", "adapters": res}
-    single, multi = res.get("pglock", {}), res.get("pglock-10", {})
-    if single.get("p50_us") and multi.get("p50_us"):
-        out["multi_key_ratio"] = rnd(multi["p50_us"] / single["p50_us"], 3)
-    raw_multi = res.get("raw-10", {})
-    if multi.get("p50_us") and raw_multi.get("p50_us"):
-        out["multi_key_vs_raw_multi"] = rnd(multi["p50_us"] / raw_multi["p50_us"], 3)
-    px, rx = res.get("pglock-xact", {}), res.get("raw-xact", {})
-    if px.get("p50_us") and rx.get("p50_us"):
-        out["xact"] = {"ratio_vs_raw_xact": rnd(px["p50_us"] / rx["p50_us"], 3)}
+
+    # Ratios between two adapters go through their own floor-normalized ratios: each was
+    # measured next to the floor, not next to the other.
+    def rel(a: str, b: str) -> float | None:
+        ra, rb = res.get(a, {}).get("ratio"), res.get(b, {}).get("ratio")
+        return rnd(ra / rb, 3) if ra and rb else None
+
+    out["multi_key_ratio"] = rel("pglock-10", "pglock")
+    out["multi_key_vs_raw_multi"] = rel("pglock-10", "raw-10")
+    if rel("pglock-xact", "raw-xact") is not None:
+        out["xact"] = {"ratio_vs_raw_xact": rel("pglock-xact", "raw-xact")}
         out["xact"].update(xact_round_trips(ctx))
     return out
 

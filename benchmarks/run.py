@@ -178,12 +178,13 @@ def evaluate_targets(w: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"id": tid, "target": text, "status": status, "value": value, "shown": shown})
 
     r = _get(w, "A", "adapters", "pglock", "ratio")
+    cpu = _get(w, "A", "adapters", "pglock", "cpu_ratio")
     add(
         "pg_lock",
         "pg_lock cycle <= 1.1x raw psycopg cycle (alternating)",
         r,
         None if r is None else r <= 1.1,
-        f"{r}x" if r else "n/a",
+        f"{r}x (client CPU {cpu}x)" if r else "n/a",
     )
 
     x = _get(w, "A", "xact") or {}
@@ -322,21 +323,23 @@ def markdown(result: dict[str, Any]) -> str:
     a = _get(w, "A", "adapters")
     if a:
         lines += [
-            "**A. Uncontended acquire+release** (alternating blocks; ratio = p50 / raw p50)",
+            "**A. Uncontended acquire+release** (each adapter in blocks adjacent to blocks of"
+            " the raw floor; ratio = p50 / p50 of those floor blocks)",
             "",
-            "| adapter | p50 µs | p99 µs | cycles/s | ratio vs raw "
-            "| per-block ratio min-med-max | round trips |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| adapter | p50 µs | p99 µs | cycles/s | ratio vs raw | per-round ratio min-med-max "
+            "| client CPU µs/cycle | CPU ratio | round trips |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in a.values():
             if "error" in r:
-                lines.append(f"| {r.get('label', '?')} | error: {r['error']} | | | | | |")
+                lines.append(f"| {r.get('label', '?')} | error: {r['error']} | | | | | | | |")
                 continue
             rb = r.get("ratio_blocks") or [None] * 3
             lines.append(
                 f"| {r['label']} | {_fmt(r['p50_us'])} | {_fmt(r['p99_us'])} | "
                 f"{_fmt(r['cycles_per_s'])} | {_fmt(r['ratio'], 'x')} | "
-                f"{_fmt(rb[0])}-{_fmt(rb[1])}-{_fmt(rb[2])} | {_fmt(r.get('round_trips'))} |"
+                f"{_fmt(rb[0])}-{_fmt(rb[1])}-{_fmt(rb[2])} | {_fmt(r.get('cpu_us'))} | "
+                f"{_fmt(r.get('cpu_ratio'), 'x')} | {_fmt(r.get('round_trips'))} |"
             )
         lines.append("")
     for tag, title in (("B", "B. {t} threads, distinct names"), ("D", "D. {t} threads, one name")):
