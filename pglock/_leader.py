@@ -178,8 +178,8 @@ class LeaderElection:
     won the lock, and no later than ``check_interval + takeover_delay`` plus a round trip after
     the old leader's session ended. The old leader's ``is_leader`` reads False within the
     validity window of its last confirmation; ``on_lost`` runs when the loss is noticed: within
-    ``check_interval`` after a terminated session, within the validity window if the server
-    stops answering.
+    ``check_interval`` after its session ended, within ``check_interval + network_timeout``
+    when the server or the network stops answering.
 
     Thread safety: one object may be shared by threads; ``is_leader``, ``term``,
     :meth:`wait_elected` and :meth:`guard` are safe to call from any thread.
@@ -226,6 +226,8 @@ class LeaderElection:
         self._conn_guard = threading.Lock()
         self._pid_start: tuple[int, Any] | None = None
         self._in_callback = False
+        #: When the check now in flight was sent (monotonic), for the watchdog.
+        self._inflight_since: float | None = None
 
     # -- introspection -----------------------------------------------------------------
 
@@ -507,7 +509,13 @@ class LeaderElection:
 
     def _confirm(self, conn: psycopg.Connection[Any]) -> float:
         sent = time.monotonic()
-        rows = _conn.run(conn, _sql.held_advisory([self._key], shared=False))
+        with self._cond:
+            self._inflight_since = sent
+        try:
+            rows = _conn.run(conn, _sql.held_advisory([self._key], shared=False))
+        finally:
+            with self._cond:
+                self._inflight_since = None
         if not rows:
             raise LockLost(self._name, reason="the session no longer holds the leader lock")
         return sent
@@ -527,27 +535,39 @@ class LeaderElection:
     # -- background: callbacks and the validity watchdog -------------------------------
 
     def _dispatch(self) -> None:
+        tick = min(0.5, self._interval)
+        last = time.monotonic()
         while True:
             with self._cond:
                 while True:
                     if self._events:
                         kind, _ = self._events.popleft()
                         break
-                    if self._leader and time.monotonic() >= self._valid_until:
+                    now = time.monotonic()
+                    if now - last > tick + 1.0 and self._inflight_since is not None:
+                        # This process was paused (SIGSTOP, a VM freeze): the answer to the
+                        # check may be waiting in the socket. Give it a fresh allowance.
+                        self._inflight_since = now
+                    last = now
+                    if (
+                        self._leader
+                        and self._inflight_since is not None
+                        and now - self._inflight_since > self._network_timeout
+                    ):
+                        # The server takes no notice of the check (frozen, or a black hole
+                        # that still acknowledges TCP): is_leader is already False (the
+                        # validity window); now the term ends, and on_lost runs.
                         self._leader = False
                         self._session = None
                         kind = "lost"
                         logger.warning(
-                            "leadership of %r (term %s) could not be confirmed within %.2f s; "
-                            "stepping down", self._name, self._term, self._window,
+                            "leadership of %r (term %s) ended: no answer to a check within "
+                            "%.1f s", self._name, self._term, self._network_timeout,
                         )
                         break
                     if not self._running:
                         return
-                    timeout = (
-                        max(0.0, self._valid_until - time.monotonic()) if self._leader else None
-                    )
-                    self._cond.wait(timeout)
+                    self._cond.wait(tick if self._leader else None)
                 self._in_callback = True
             callback = self._on_elected if kind == "elected" else self._on_lost
             try:

@@ -35,6 +35,10 @@ if TYPE_CHECKING:
     from psycopg_pool import ConnectionPool
     from typing_extensions import Self
 
+    from ._leader import LeaderElection
+    from ._rwlock import RWLock
+    from ._singleton import Singleton
+
 logger = logging.getLogger("pglock.pool")
 
 _DEFAULT: Any = object()
@@ -655,7 +659,7 @@ class Locker:
 
     # -- coordination (issue 5): rwlock, singleton, leader, semaphore ----------------------
 
-    def rwlock(self, name: str) -> Any:
+    def rwlock(self, name: str) -> RWLock:
         """A read-write lock on the namespaced ``name`` over this Locker's pool: see
         :func:`pglock.rwlock`. ``read()``/``write()`` default to the Locker's timeout.
 
@@ -670,7 +674,7 @@ class Locker:
             self._connection_source, self.full_name(name), self._timeout, id(self)
         )
 
-    def singleton(self, name: str, *, timeout: float | None = 0) -> Any:
+    def singleton(self, name: str, *, timeout: float | None = 0) -> Singleton:
         """A decorator running a job only where no other process runs it: see
         :func:`pglock.singleton` (``timeout=0`` skips at once; the Locker's default timeout
         does not apply).
@@ -695,7 +699,7 @@ class Locker:
         check_interval: float = 1.0,
         takeover_delay: float | None = None,
         network_timeout: float = 5.0,
-    ) -> Any:
+    ) -> LeaderElection:
         """A candidate in the leader election for the namespaced ``name``: see
         :func:`pglock.leader`. It opens its own connection with this Locker's connection
         parameters (the DSN, or those of the pool or engine).
