@@ -1,0 +1,440 @@
+"""PgBouncer in transaction pooling mode (T25): session locks are refused, transaction locks work.
+
+The module starts its own PgBouncer (Debian's ``pgbouncer``; installed with apt-get when it is
+missing, and the tests are skipped, saying why, only if that fails) in transaction mode on a
+free loopback port, in front of the test server, with a throwaway config (``auth_type =
+trust``). As root it runs as the ``postgres`` OS user: PgBouncer refuses to run as root.
+
+Two pooled databases are configured: ``<db>`` with two server connections and ``<db>_one`` with
+a single one, where every client shares the same server session (the raw-failure companion
+test uses it to show what pglock protects against).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import pwd
+import random
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+import psycopg_pool
+import pytest
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+import pglock
+
+Connect = Callable[..., psycopg.Connection[Any]]
+
+
+def _install_pgbouncer() -> str | None:
+    """Install Debian's pgbouncer; return None when it is there, else why it is not."""
+    if shutil.which("pgbouncer") or os.path.exists("/usr/sbin/pgbouncer"):
+        return None
+    if not shutil.which("apt-get"):
+        return "pgbouncer is not installed and apt-get is not available"
+    if os.geteuid() != 0:
+        return "pgbouncer is not installed and installing it needs root (apt-get install pgbouncer)"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    out = ""
+    for cmds in (
+        [["apt-get", "install", "-y", "-q", "pgbouncer"]],
+        [["apt-get", "update", "-q"], ["apt-get", "install", "-y", "-q", "pgbouncer"]],
+    ):
+        try:
+            for cmd in cmds:
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+                out = (proc.stdout + proc.stderr)[-500:]
+                if proc.returncode:
+                    break
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            out = repr(exc)
+        if os.path.exists("/usr/sbin/pgbouncer"):
+            return None
+    return f"pgbouncer could not be installed with apt-get: {out.strip()}"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Bouncer:
+    port: int
+    server: dict[str, Any]  # the real server's conninfo parameters
+    #: A throwaway database with the pglock schema, pooled too (None before leases exist).
+    lease_db: str | None = None
+
+    def dsn(self, dbname: str | None = None) -> str:
+        params = {k: v for k, v in self.server.items() if k in ("user", "password")}
+        return make_conninfo(
+            host="127.0.0.1", port=str(self.port), dbname=dbname or self.server["dbname"], **params
+        )
+
+
+@pytest.fixture(scope="module")
+def bouncer(pg_dsn: str) -> Iterator[Bouncer]:
+    problem = _install_pgbouncer()
+    if problem:
+        pytest.skip(problem)
+    with contextlib.ExitStack() as stack:
+        lease_db = None
+        if importlib.util.find_spec("pglock._lease") is not None:
+            from _pgdb import throwaway_database
+
+            from pglock import _schema
+
+            lease_dsn = stack.enter_context(
+                throwaway_database(pg_dsn, prefix="pglock_bouncer", install=False)
+            )
+            _schema.install(lease_dsn)
+            lease_db = conninfo_to_dict(lease_dsn)["dbname"]
+        yield from _run_bouncer(pg_dsn, lease_db)
+
+
+def _run_bouncer(pg_dsn: str, lease_db: str | None) -> Iterator[Bouncer]:
+    exe = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+    server = conninfo_to_dict(pg_dsn)
+    server.setdefault("user", os.environ.get("PGUSER", "postgres"))
+    server.setdefault("dbname", server["user"])
+    host = server.get("host", "127.0.0.1")
+    port = server.get("port", "5432")
+    db = server["dbname"]
+    run_as: list[str] = []
+    if os.geteuid() == 0:
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            pytest.skip("running as root and there is no 'postgres' OS user to run pgbouncer as")
+        run_as = ["runuser", "-u", "postgres", "--"]
+    tmp = tempfile.mkdtemp(prefix="pglock-pgbouncer-")
+    listen = _free_port()
+    target = f"host={host} port={port} dbname={db}"
+    with open(os.path.join(tmp, "users.txt"), "w") as f:
+        f.write(f'"{server["user"]}" "{server.get("password", "")}"\n')
+    with open(os.path.join(tmp, "pgbouncer.ini"), "w") as f:
+        f.write(
+            f"[databases]\n{db} = {target}\n{db}_one = {target} pool_size=1\n"
+            + (f"{lease_db} = host={host} port={port} dbname={lease_db}\n" if lease_db else "")
+            + "\n"
+            "[pgbouncer]\n"
+            f"listen_addr = 127.0.0.1\nlisten_port = {listen}\nunix_socket_dir =\n"
+            f"auth_type = trust\nauth_file = {tmp}/users.txt\n"
+            "pool_mode = transaction\ndefault_pool_size = 2\nmax_client_conn = 200\n"
+            f"logfile = {tmp}/pgbouncer.log\n"
+        )
+    if run_as:
+        shutil.chown(tmp, "postgres")
+        for name in os.listdir(tmp):
+            shutil.chown(os.path.join(tmp, name), "postgres")
+    proc = subprocess.Popen(
+        [*run_as, exe, os.path.join(tmp, "pgbouncer.ini")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    b = Bouncer(listen, server, lease_db)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                with psycopg.connect(b.dsn(), connect_timeout=2, prepare_threshold=None) as c:
+                    c.execute("SELECT 1")
+                break
+            except psycopg.OperationalError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log = ""
+                    with contextlib.suppress(OSError), open(
+                        os.path.join(tmp, "pgbouncer.log")
+                    ) as f:
+                        log = f.read()[-2000:]
+                    pytest.fail(f"pgbouncer did not start: {log}")
+                time.sleep(0.1)
+        yield b
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        if proc.stderr is not None:
+            proc.stderr.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def via_bouncer(bouncer: Bouncer, app_name: str) -> Iterator[Connect]:
+    """Connections through PgBouncer. psycopg's server-side prepared statements do not survive
+    transaction pooling before PgBouncer 1.21, so they are off (prepare_threshold=None)."""
+    opened: list[psycopg.Connection[Any]] = []
+
+    def factory(autocommit: bool = True, dbname: str | None = None) -> psycopg.Connection[Any]:
+        c = psycopg.connect(
+            bouncer.dsn(dbname),
+            autocommit=autocommit,
+            prepare_threshold=None,
+            application_name=app_name,
+        )
+        opened.append(c)
+        return c
+
+    yield factory
+    for c in opened:
+        c.close()
+
+
+def holders(observer: psycopg.Connection[Any], name: str) -> list[int]:
+    """Server backends (any) holding ``name``, seen directly, not through the bouncer."""
+    rows = observer.execute(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted "
+        "AND (classid::bigint << 32) | objid::bigint = %s",
+        (pglock.key(name),),
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+# --- detection ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("autocommit", [True, False])
+def test_pg_lock_through_transaction_pooling_raises_unsupported_server(
+    via_bouncer: Connect, other: psycopg.Connection[Any], name: str, autocommit: bool
+) -> None:
+    conn = via_bouncer(autocommit=autocommit)
+    with pytest.raises(pglock.UnsupportedServer, match="pooler") as info, pglock.pg_lock(
+        conn, name
+    ):
+        pytest.fail("the body ran without a usable lock")
+    message = str(info.value)
+    assert "xact_lock" in message and "lease" in message
+    assert holders(other, name) == []
+    # every later attempt is refused the same way, without a new probe
+    with pytest.raises(pglock.UnsupportedServer):
+        pglock.pg_lock(conn, name).acquire(timeout=0)
+    with pytest.raises(pglock.UnsupportedServer):
+        pglock.pg_lock(conn, [name, f"{name}:2"], shared=True).acquire(timeout=1)
+    assert holders(other, name) == []
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+def test_pg_lock_inside_a_transaction_through_pgbouncer(
+    via_bouncer: Connect, other: psycopg.Connection[Any], name: str
+) -> None:
+    conn = via_bouncer()
+    with conn.transaction():
+        with pytest.raises(pglock.UnsupportedServer):
+            pglock.pg_lock(conn, name).acquire()
+        conn.execute("SELECT 1")  # the caller's transaction is still usable
+    assert holders(other, name) == []
+
+
+def test_pool_lock_through_pgbouncer_raises_and_keeps_the_connection(
+    bouncer: Bouncer, app_name: str, other: psycopg.Connection[Any], name: str
+) -> None:
+    with psycopg_pool.ConnectionPool(
+        bouncer.dsn(),
+        min_size=1,
+        max_size=1,
+        kwargs={"application_name": app_name, "prepare_threshold": None},
+        reset=pglock.reset_connection,
+        open=False,
+        timeout=10,
+    ) as pool:
+        pool.open(wait=True, timeout=10)
+        with pytest.raises(pglock.UnsupportedServer, match="xact_lock"), pglock.pool_lock(
+            pool, name, timeout=5
+        ):
+            pytest.fail("the body ran without a usable lock")
+        assert holders(other, name) == []
+        with pool.connection(timeout=10) as conn:
+            conn.execute("SELECT 1")
+        stats = pool.get_stats()
+        # refused, not broken: the connection went back to the pool, none was replaced
+        assert stats["connections_num"] == 1, stats
+        assert stats.get("returns_bad", 0) == 0, stats
+
+
+def test_direct_connection_is_not_mistaken_for_a_pooler(
+    conn: psycopg.Connection[Any], other: psycopg.Connection[Any], name: str
+) -> None:
+    """Negative control of the detection: the same check passes on a direct session."""
+    with pglock.pg_lock(conn, name):
+        assert holders(other, name) == [conn.info.backend_pid]
+
+
+def test_detection_costs_no_round_trip_per_acquire(
+    conn: psycopg.Connection[Any], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the first use (one probe), a lock cycle sends exactly lock + unlock."""
+    with pglock.pg_lock(conn, name):
+        pass
+    sent: list[str] = []
+    real = psycopg.Cursor.execute
+
+    def counting(self: psycopg.Cursor[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
+        sent.append(str(query))
+        return real(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(psycopg.Cursor, "execute", counting)
+    for _ in range(3):
+        with pglock.pg_lock(conn, name):
+            pass
+    monkeypatch.undo()
+    assert len(sent) == 6, sent
+
+
+def test_raw_session_locks_through_transaction_pooling_break(
+    via_bouncer: Connect, bouncer: Bouncer, other: psycopg.Connection[Any], name: str
+) -> None:
+    """Companion: what pglock refuses. Two clients of a one-connection pool share one server
+    session, so the second "acquires" a lock the first holds (phantom re-entrancy)."""
+    db_one = f"{bouncer.server['dbname']}_one"
+    a = via_bouncer(dbname=db_one)
+    b = via_bouncer(dbname=db_one)
+    k = pglock.key(name)
+    try:
+        a.execute("SELECT pg_advisory_lock(%s)", (k,))
+        assert b.execute("SELECT pg_try_advisory_lock(%s)", (k,)).fetchone() == (True,)
+        assert len(holders(other, name)) == 1  # one server session "holds" it for both
+        for c in (a, b):
+            with pytest.raises(pglock.UnsupportedServer):
+                pglock.pg_lock(c, name).acquire(timeout=0)
+    finally:
+        a.execute("SELECT pg_advisory_unlock_all()")
+    assert holders(other, name) == []
+
+
+# --- transaction locks work -------------------------------------------------------------------
+
+
+def test_xact_lock_through_pgbouncer_excludes(
+    via_bouncer: Connect, other: psycopg.Connection[Any], name: str
+) -> None:
+    a, b = via_bouncer(), via_bouncer()
+    with a.transaction():
+        pglock.xact_lock(a, name)
+        assert len(holders(other, name)) == 1
+        with b.transaction():
+            assert not pglock.try_xact_lock(b, name)
+            with pytest.raises(pglock.LockNotAcquired):
+                pglock.xact_lock(b, name, timeout=0.2)
+    assert holders(other, name) == []
+    with b.transaction():
+        pglock.xact_lock(b, name, timeout=5)
+        assert len(holders(other, name)) == 1
+    assert holders(other, name) == []
+
+
+def _counter_through_bouncer(
+    pg_dsn: str,
+    app_name: str,
+    via_bouncer: Connect,
+    name: str,
+    *,
+    locked: bool,
+    threads: int = 4,
+    rounds: int = 10,
+) -> tuple[int, int]:
+    """Lost-update oracle through PgBouncer: each section runs in a transaction on a bouncer
+    connection, reads and writes the counter on a separate direct connection."""
+    table = f"counter_{uuid.uuid4().hex[:12]}"
+    ident = sql.Identifier(table)
+    with psycopg.connect(pg_dsn, autocommit=True, application_name=app_name) as setup:
+        setup.execute(sql.SQL("CREATE TABLE {} (v int)").format(ident))
+        setup.execute(sql.SQL("INSERT INTO {} VALUES (0)").format(ident))
+    conns = [via_bouncer() for _ in range(threads)]
+    acked = 0
+    guard = threading.Lock()
+    errors: list[BaseException] = []
+    start = threading.Barrier(threads)
+
+    def worker(i: int) -> None:
+        nonlocal acked
+        rng = random.Random(i)
+        try:
+            with psycopg.connect(pg_dsn, autocommit=True, application_name=app_name) as side:
+                start.wait(timeout=30)
+                for _ in range(rounds):
+                    with conns[i].transaction():
+                        if locked:
+                            pglock.xact_lock(conns[i], name, timeout=30)
+                        else:
+                            conns[i].execute("SELECT 1")
+                        row = side.execute(sql.SQL("SELECT v FROM {}").format(ident)).fetchone()
+                        assert row is not None
+                        time.sleep(rng.uniform(0, 0.003))
+                        side.execute(sql.SQL("UPDATE {} SET v = %s").format(ident), (row[0] + 1,))
+                    with guard:
+                        acked += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=90)
+    assert not any(t.is_alive() for t in ts), "a worker hung"
+    assert not errors, errors
+    with psycopg.connect(pg_dsn, autocommit=True, application_name=app_name) as check:
+        row = check.execute(sql.SQL("SELECT v FROM {}").format(ident)).fetchone()
+        check.execute(sql.SQL("DROP TABLE {}").format(ident))
+    assert row is not None
+    return row[0], acked
+
+
+def test_xact_lock_mutual_exclusion_through_pgbouncer(
+    pg_dsn: str, app_name: str, via_bouncer: Connect, other: psycopg.Connection[Any], name: str
+) -> None:
+    v, acked = _counter_through_bouncer(pg_dsn, app_name, via_bouncer, name, locked=True)
+    assert acked == 40
+    assert v == acked
+    assert holders(other, name) == []
+
+
+def test_negative_control_through_pgbouncer_without_the_lock_loses_updates(
+    pg_dsn: str, app_name: str, via_bouncer: Connect, name: str
+) -> None:
+    v, acked = _counter_through_bouncer(pg_dsn, app_name, via_bouncer, name, locked=False)
+    assert acked == 40
+    assert v < acked, "the oracle found no lost update without a lock: it proves nothing"
+
+
+# --- leases (pglock._lease arrives with the leases issue) ---------------------------------------
+
+
+def test_lease_through_pgbouncer(app_name: str, bouncer: Bouncer, name: str) -> None:
+    """Leases run each operation in its own short transaction: they work through the pooler."""
+    if bouncer.lease_db is None:
+        pytest.skip("pglock._lease is not there yet (leases issue)")
+    from pglock._lease import lease
+
+    with psycopg_pool.ConnectionPool(
+        bouncer.dsn(bouncer.lease_db),
+        min_size=1,
+        max_size=2,
+        kwargs={"application_name": app_name, "prepare_threshold": None},
+        open=False,
+        timeout=10,
+    ) as pool:
+        pool.open(wait=True, timeout=10)
+        with lease(pool, name, ttl=10, timeout=5) as held:
+            first = held.token
+            with pytest.raises(pglock.LockNotAcquired), lease(pool, name, ttl=10, timeout=0.2):
+                pytest.fail("two holders of one lease")
+        with lease(pool, name, ttl=10, timeout=5) as again:
+            assert again.token > first
