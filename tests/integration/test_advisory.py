@@ -826,6 +826,9 @@ def test_lock_lost_when_terminated_reported_by_with_block(connect: Connect, name
     c, obs = connect(), connect()
     with pytest.raises(pglock.LockLost), pglock.pg_lock(c, name):
         obs.execute("SELECT pg_terminate_backend(%s)", (c.info.backend_pid,))
+    end = time.monotonic() + 10  # the terminated backend releases its locks as it exits
+    while holders(obs, name) and time.monotonic() < end:
+        time.sleep(0.01)
     assert holders(obs, name) == []
 
 
