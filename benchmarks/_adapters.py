@@ -274,7 +274,7 @@ class PostgresqlLock(Adapter):
 
 class _PalsClient(Client):
     def __init__(self, ctx: Context) -> None:
-        import pals
+        import pals  # type: ignore[import-untyped]
         import sqlalchemy as sa
 
         dsn, app = ctx.scratch_dsn, ctx.app_name
@@ -421,7 +421,7 @@ class PythonRedisLock(_RedisAdapter):
     label = "python-redis-lock"
 
     def client(self, ctx: Context) -> Client:
-        import redis_lock
+        import redis_lock  # type: ignore[import-untyped]
 
         return _RedisClient(ctx, lambda r, name: redis_lock.Lock(r, name, expire=30))
 

@@ -238,7 +238,7 @@ def evaluate_targets(w: dict[str, Any]) -> list[dict[str, Any]]:
             "lease handoff p50 <= 2x native advisory handoff and >= 20x faster than 100 ms pollers",
             {"vs_native": round(vs_native, 2), "faster_than_pollers": round(vs_poll, 1)},
             vs_native <= 2 and vs_poll >= 20,
-            f"{lease_h} ms = {vs_native:.2f}x native ({native} ms); {vs_poll:.0f}x faster than "
+            f"{lease_h} ms = {vs_native:.2f}x native ({native} ms); {vs_poll:.1f}x faster than "
             f"the fastest 100 ms poller ({min(pollers)} ms)",
         )
     else:
@@ -258,7 +258,7 @@ def evaluate_targets(w: dict[str, Any]) -> list[dict[str, Any]]:
             f"keepalive of {k['leases']:,} leases: 1 batched statement per round, <= 5% of a core",
             k,
             ok,
-            f"{k['statements_per_round']} statements/round ({k['statements_per_s']}/s at "
+            f"{k['statements_per_round']} round trips/round ({k['statements_per_s']}/s at "
             f"ttl={k['ttl']} s), {k['keepalive_cpu_pct_of_core']}% of a core",
         )
     else:

@@ -123,6 +123,10 @@ def test_lost_update_check_has_teeth(bench_ctx: Any) -> None:
 
     # Negative control: no lock, and both threads read before either writes.
     barrier = threading.Barrier(2, timeout=20)
+
+    def both_have_read() -> None:
+        barrier.wait()
+
     bad = contend(
         bench_ctx,
         NoLock(),
@@ -130,7 +134,7 @@ def test_lost_update_check_has_teeth(bench_ctx: Any) -> None:
         seconds=30,
         same_name=True,
         counter=True,
-        between=barrier.wait,
+        between=both_have_read,
         max_cycles=1,
     )
     assert bad["cycles"] == 2 and bad["counter"] == 1
