@@ -10,6 +10,7 @@ from ._advisory import PgLock, pg_lock, try_xact_lock, xact_lock
 from ._inspect import AdvisoryLock, advisory_locks
 from ._keys import MAX_NAME_BYTES, key
 from ._leader import LeaderElection, leader
+from ._lease import Lease, LeaseInfo, lease, lease_info, list_leases
 from ._pool import Locker, PoolLock, pool_lock, reset_connection
 from ._rwlock import RWLock, rwlock
 from ._singleton import Singleton, singleton
@@ -32,6 +33,8 @@ __all__ = [
     "DeadlockDetected",
     "InvalidConnectionState",
     "LeaderElection",
+    "Lease",
+    "LeaseInfo",
     "LockError",
     "LockLost",
     "LockNotAcquired",
@@ -47,6 +50,9 @@ __all__ = [
     "advisory_locks",
     "key",
     "leader",
+    "lease",
+    "lease_info",
+    "list_leases",
     "pg_lock",
     "pool_lock",
     "reset_connection",
@@ -62,6 +68,8 @@ for _cls in (
     DeadlockDetected,
     InvalidConnectionState,
     LeaderElection,
+    Lease,
+    LeaseInfo,
     LockError,
     LockLost,
     LockNotAcquired,

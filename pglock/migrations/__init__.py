@@ -51,11 +51,13 @@ def alembic_execute(statements: list[Any]) -> None:
     SQL text (offline, ``alembic upgrade --sql``)."""
     from alembic import context, op
 
+    # The text goes out verbatim: no bind-parameter parsing of ':name' (SQLAlchemy text())
+    # nor of '%' (psycopg placeholders), which PL/pgSQL bodies are full of.
     if context.is_offline_mode():
+        impl = op.get_context().impl
         for stmt in statements:
-            op.execute(stmt.as_string(None))
+            impl.static_output(stmt.as_string(None).strip() + impl.command_terminator)
         return
     bind = op.get_bind()
     for stmt in statements:
-        # exec_driver_sql sends the text as is: no bind-parameter parsing of ':name' or '%'.
-        bind.exec_driver_sql(stmt.as_string(None))
+        bind.exec_driver_sql(stmt.as_string(None), execution_options={"no_parameters": True})

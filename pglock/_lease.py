@@ -1,0 +1,1468 @@
+"""TTL leases: a row per name in the pglock schema, fencing tokens, keepalive and waiting.
+
+The database does the deciding: ``<schema>.acquire(...)`` grants, renews or refuses in one
+statement, on ``clock_timestamp()``; the row lock taken by ``guard()`` keeps a takeover out of
+the caller's transaction. This module is the client around it:
+
+* **Sources.** Every lease statement runs as one autocommit statement on a connection of its
+  own, checked out of the caller's ``psycopg_pool.ConnectionPool`` or SQLAlchemy ``Engine``, or
+  of a small set of connections pglock keeps per DSN string. Never inside the caller's
+  transaction: a lease taken there would be invisible to others until commit, and gone on
+  rollback.
+* **Client deadline.** A lease is believed held until ``send time of the last successful
+  acquire/extend + ttl`` on ``time.monotonic()``: never longer than the server keeps it,
+  whatever the two clocks say.
+* **Keepalive.** One daemon thread per process renews every live lease at about ``ttl/3``, one
+  ``extend_many`` statement per (source, schema) and round. Leases that come due within the same
+  half-interval ride in the same round, so a process's leases converge on one statement per
+  round. When a renewal finds the lease gone, or the deadline passes first, the lease is lost:
+  a WARNING is logged, ``on_lost`` runs, and ``check()``/``extend()``/``guard()`` raise
+  :class:`pglock.LockLost`.
+* **Waiting.** Within a process, waiters for one name queue up and only the first one talks to
+  the database. It wakes on the release ``NOTIFY`` (one listening connection per source and
+  schema, payload = the name), on a local release, at the holder's expiry (computed from the
+  server's own clock) and on a jittered fallback poll: a handoff costs the release and one
+  acquire, not one query per waiter.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import math
+import os
+import random
+import shlex
+import socket
+import threading
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+from psycopg.pq import TransactionStatus
+
+from . import _conn, _sql
+from ._keys import validate_flag, validate_name, validate_timeout
+from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
+from .errors import InvalidConnectionState, LockError, LockLost, LockNotAcquired, SchemaNotInstalled
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+logger = logging.getLogger("pglock.lease")
+
+#: The longest TTL accepted, in seconds (one day). Longer work extends the lease.
+MAX_TTL = 86400.0
+#: The largest metadata accepted, in bytes of compact JSON (UTF-8).
+MAX_METADATA_BYTES = 65536
+#: The longest holder id accepted, in UTF-8 bytes.
+MAX_HOLDER_BYTES = 256
+
+#: How long a waiter sleeps at most between looks at the database while its NOTIFY listener
+#: is up (jittered): a safety net for releases that send no NOTIFY (a row deleted by hand).
+_FALLBACK_POLL = (2.0, 4.0)
+#: The same while the listener is down: a jittered backoff from the first to the second value.
+_DEGRADED_POLL = (0.05, 1.0)
+#: Wake this much after the holder's expiry, so the server sees it expired.
+_EXPIRY_MARGIN = 0.002
+#: A listener with no waiters for this long closes its connection.
+_LISTENER_IDLE = 30.0
+#: Most idle connections pglock keeps per DSN string.
+_DSN_MAX_IDLE = 4
+
+_DEFAULT: Any = object()
+_NEW, _HELD, _RELEASED = "new", "held", "released"
+
+#: Statements sent, by kind ("acquire", "extend", "extend_many", "release", "guard", ...):
+#: for tests and benchmarks that count round trips.
+statements: Counter[str] = Counter()
+_stats_lock = threading.Lock()
+
+
+def _count(kind: str) -> None:
+    with _stats_lock:
+        statements[kind] += 1
+
+
+# --- validation --------------------------------------------------------------------------------
+
+
+def validate_ttl(ttl: object, what: str = "ttl") -> float:
+    """A TTL in seconds: a finite number ``0 < ttl <= MAX_TTL`` (not a bool)."""
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds, not {type(ttl).__name__}")
+    try:
+        value = float(ttl)
+    except OverflowError:
+        value = math.inf
+    if math.isnan(value):
+        raise ValueError(f"{what} must be a number of seconds, not NaN")
+    if value <= 0:
+        raise ValueError(f"{what} must be > 0 seconds, got {ttl!r}")
+    if math.isinf(value) or value > MAX_TTL:
+        raise ValueError(
+            f"{what} must be at most {MAX_TTL:.0f} seconds (one day), got {ttl!r}; "
+            "keep a long job's lease alive with keepalive or extend()"
+        )
+    return value
+
+
+def validate_holder(holder: object) -> str:
+    """A holder id: a non-empty ``str`` of at most :data:`MAX_HOLDER_BYTES` UTF-8 bytes."""
+    if not isinstance(holder, str):
+        raise TypeError(f"holder must be a str, not {type(holder).__name__}")
+    if not holder:
+        raise ValueError("holder must not be empty")
+    if "\x00" in holder:
+        raise ValueError("holder must not contain NUL (\\x00) characters")
+    try:
+        size = len(holder.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError("holder must be valid Unicode text (no lone surrogates)") from None
+    if size > MAX_HOLDER_BYTES:
+        raise ValueError(f"holder must be at most {MAX_HOLDER_BYTES} bytes in UTF-8, got {size}")
+    return holder
+
+
+def encode_metadata(metadata: object) -> str | None:
+    """Compact JSON text of ``metadata`` (None stays None), checked as jsonb will check it."""
+    if metadata is None:
+        return None
+    try:
+        text = json.dumps(metadata, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+    except TypeError as exc:
+        raise TypeError(f"metadata must be JSON-serializable: {exc}") from None
+    except ValueError as exc:  # NaN/Infinity, or a circular reference
+        raise ValueError(f"metadata must be valid JSON: {exc}") from None
+    _check_json_strings(metadata)
+    size = len(text.encode("utf-8"))
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(
+            f"metadata must be at most {MAX_METADATA_BYTES} bytes of JSON, got {size}"
+        )
+    return text
+
+
+def _check_json_strings(value: object) -> None:
+    # jsonb refuses \u0000 and unpaired surrogates; json.dumps would let both through.
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if "\x00" in v:
+                raise ValueError("metadata strings must not contain NUL (\\x00): jsonb refuses it")
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("metadata strings must be valid Unicode text") from None
+        elif isinstance(v, Mapping):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+
+
+_host: str | None = None
+
+
+def default_holder() -> str:
+    """A holder id unique to one :class:`Lease`: ``<host>:<pid>:<random hex>``."""
+    global _host
+    if _host is None:
+        _host = socket.gethostname()[:64]
+    return f"{_host}:{os.getpid()}:{uuid.uuid4().hex}"
+
+
+# --- compiled statements (rendered once per schema; psycopg caches their parsing) ------------
+
+
+@lru_cache(maxsize=64)
+def _stmt(kind: str, schema: str) -> bytes:
+    factory: Callable[[str], sql.Composed] = getattr(_sql, f"lease_{kind}")
+    return factory(schema).as_bytes(None)
+
+
+# --- sources -----------------------------------------------------------------------------------
+
+
+class _Source:
+    """Where lease statements run: each one on a connection of its own, in autocommit."""
+
+    kind = "?"
+
+    def __init__(self, key: tuple[Any, ...]) -> None:
+        self.key = key
+
+    def run(
+        self, kind: str, schema: str, params: tuple[Any, ...], timeout: float | None = None
+    ) -> list[tuple[Any, ...]]:
+        """Send one lease statement and return its rows."""
+        raise NotImplementedError
+
+    def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+        """A new autocommit connection of its own, and how to close it."""
+        raise NotImplementedError
+
+
+def _execute(
+    conn: psycopg.Connection[Any], kind: str, schema: str, params: tuple[Any, ...]
+) -> list[tuple[Any, ...]]:
+    """One statement in autocommit on ``conn`` (restoring its autocommit setting)."""
+    query = _stmt(kind, schema)
+    restore = False
+    if not conn.autocommit:
+        if conn.info.transaction_status != TransactionStatus.IDLE:
+            raise InvalidConnectionState(
+                "the pool handed out a connection inside a transaction; pglock runs lease "
+                "statements in their own transactions"
+            )
+        conn.autocommit = True
+        restore = True
+    try:
+        _count(kind)
+        with conn.cursor() as cur:
+            cur.execute(query, params)
+            return cur.fetchall() if cur.description is not None else []
+    except psycopg.Error as exc:
+        translated = _translate(exc, conn, schema)
+        if translated is None:
+            raise
+        raise translated from exc
+    finally:
+        if restore and not (conn.closed or conn.broken):
+            try:
+                conn.autocommit = False
+            except psycopg.Error:
+                logger.debug("could not restore autocommit=False", exc_info=True)
+
+
+def _translate(exc: psycopg.Error, conn: psycopg.Connection[Any], schema: str) -> Exception | None:
+    if isinstance(
+        exc, (pg_errors.UndefinedFunction, pg_errors.UndefinedTable, pg_errors.InvalidSchemaName)
+    ):
+        return schema_not_installed(conn, schema)
+    if isinstance(exc, pg_errors.SequenceGeneratorLimitExceeded):
+        return LockError(
+            f"the fencing-token sequence {schema}.lease_token is exhausted (it never cycles, "
+            "so no token is ever handed out twice); tokens cannot be issued any more"
+        )
+    return None
+
+
+def schema_not_installed(conn: psycopg.Connection[Any], schema: str) -> SchemaNotInstalled:
+    """The error for a database without the lease schema, with the exact install command."""
+    try:
+        dsn = conn.info.dsn  # libpq leaves the password out
+        db = conn.info.dbname
+    except Exception:
+        dsn, db = "<your DSN>", "?"
+    command = f"pglock install --dsn {shlex.quote(dsn)} --schema {schema}"
+    return SchemaNotInstalled(
+        schema,
+        message=(
+            f"the pglock schema {schema!r} is not installed (or is out of date) in database "
+            f"{db!r}; install it with: {command}  (or include pglock's migrations in your "
+            "Alembic and run 'alembic upgrade pglock@head')"
+        ),
+    )
+
+
+class _PoolSource(_Source):
+    kind = "pool"
+
+    def __init__(self, pool: Any) -> None:
+        super().__init__(("pool", id(pool)))
+        self.pool = pool
+
+    def run(
+        self, kind: str, schema: str, params: tuple[Any, ...], timeout: float | None = None
+    ) -> list[tuple[Any, ...]]:
+        conn = self.pool.getconn(timeout=timeout)
+        try:
+            return _execute(conn, kind, schema, params)
+        finally:
+            self.pool.putconn(conn)
+
+    def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+        pool = self.pool
+        conninfo = pool.conninfo() if callable(pool.conninfo) else pool.conninfo
+        kwargs = dict((pool.kwargs() if callable(pool.kwargs) else pool.kwargs) or {})
+        kwargs["autocommit"] = True
+        conn = pool.connection_class.connect(conninfo, **kwargs)
+        return conn, conn.close
+
+
+class _EngineSource(_Source):
+    kind = "engine"
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(("engine", id(engine)))
+        self.engine = engine
+
+    def run(
+        self, kind: str, schema: str, params: tuple[Any, ...], timeout: float | None = None
+    ) -> list[tuple[Any, ...]]:
+        raw = self.engine.raw_connection()
+        conn = raw.driver_connection
+        try:
+            return _execute(conn, kind, schema, params)
+        except BaseException:
+            if conn.closed or conn.broken:
+                raw.invalidate()
+            raise
+        finally:
+            raw.close()
+
+    def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+        raw = self.engine.raw_connection()
+        raw.detach()  # ours from now on: the pool forgets it and opens another when needed
+        conn: psycopg.Connection[Any] = raw.driver_connection
+        conn.autocommit = True
+        return conn, raw.close
+
+
+class _DsnSource(_Source):
+    """A few autocommit connections pglock opens for a DSN string, reused, closed at exit."""
+
+    kind = "dsn"
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(("dsn", dsn))
+        self.dsn = dsn
+        self._idle: list[psycopg.Connection[Any]] = []
+        self._lock = threading.Lock()
+
+    def _get(self) -> psycopg.Connection[Any]:
+        with self._lock:
+            while self._idle:
+                conn = self._idle.pop()
+                if not (conn.closed or conn.broken):
+                    return conn
+        return psycopg.connect(self.dsn, autocommit=True)
+
+    def _put(self, conn: psycopg.Connection[Any]) -> None:
+        healthy = not (conn.closed or conn.broken) and (
+            conn.info.transaction_status == TransactionStatus.IDLE
+        )
+        if healthy:
+            with self._lock:
+                if len(self._idle) < _DSN_MAX_IDLE:
+                    self._idle.append(conn)
+                    return
+        conn.close()
+
+    def run(
+        self, kind: str, schema: str, params: tuple[Any, ...], timeout: float | None = None
+    ) -> list[tuple[Any, ...]]:
+        conn = self._get()
+        try:
+            return _execute(conn, kind, schema, params)
+        finally:
+            self._put(conn)
+
+    def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+        conn = psycopg.connect(self.dsn, autocommit=True)
+        return conn, conn.close
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            try:
+                conn.close()
+            except Exception:
+                pass
+
+
+_dsn_sources: dict[str, _DsnSource] = {}
+_dsn_lock = threading.Lock()
+
+
+def _close_dsn_sources() -> None:
+    with _dsn_lock:
+        sources = list(_dsn_sources.values())
+    for s in sources:
+        s.close()
+
+
+atexit.register(_close_dsn_sources)
+
+_SOURCES = (
+    "a psycopg_pool.ConnectionPool, a SQLAlchemy Engine on the psycopg driver "
+    "(postgresql+psycopg://) or a DSN string"
+)
+
+
+def make_source(source: object) -> _Source:
+    """Resolve a lease source without sending any SQL.
+
+    :raises TypeError: not a supported source.
+    :raises ValueError: an empty or unparsable DSN string.
+    """
+    if isinstance(source, str):
+        if not source.strip():
+            raise ValueError("the DSN must not be empty")
+        try:
+            conninfo_to_dict(source)
+        except psycopg.ProgrammingError as exc:
+            raise ValueError(f"invalid DSN: {exc}") from None
+        with _dsn_lock:
+            found = _dsn_sources.get(source)
+            if found is None:
+                found = _dsn_sources[source] = _DsnSource(source)
+            return found
+    from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+    if isinstance(source, ConnectionPool):
+        return _PoolSource(source)
+    if isinstance(source, AsyncConnectionPool):
+        raise TypeError(f"pglock is synchronous: pass {_SOURCES}, not an AsyncConnectionPool")
+    if isinstance(source, (psycopg.Connection, psycopg.AsyncConnection)):
+        raise TypeError(
+            f"a lease runs on connections of its own, never in the caller's transaction: pass "
+            f"{_SOURCES}, not a Connection"
+        )
+    if type(source).__module__.startswith("sqlalchemy"):
+        from sqlalchemy.engine import Engine
+
+        if isinstance(source, Engine):
+            dialect = source.dialect
+            if dialect.name != "postgresql" or dialect.driver != "psycopg":
+                raise TypeError(
+                    "pglock needs SQLAlchemy's psycopg (3) driver on PostgreSQL (URLs like "
+                    f"postgresql+psycopg://...); this engine uses {dialect.name}+{dialect.driver}"
+                )
+            return _EngineSource(source)
+        raise TypeError(
+            f"expected {_SOURCES}; got {type(source).__name__} (a lease runs on connections "
+            "of its own: pass the Engine, not a Connection or Session)"
+        )
+    raise TypeError(f"expected {_SOURCES}; got {type(source).__module__}.{type(source).__name__}")
+
+
+# --- the process-wide manager: keepalive thread, wait queues, listeners ---------------------
+
+
+class _Ticket:
+    __slots__ = ("cond",)
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.cond = threading.Condition(lock)
+
+
+class _Queue:
+    """The local waiters of one (source, schema, name), first in line first."""
+
+    __slots__ = ("holder", "tickets", "version")
+
+    def __init__(self) -> None:
+        self.tickets: deque[_Ticket] = deque()
+        #: Bumped on every event that may have freed the name: a NOTIFY, a local release.
+        self.version = 0
+        #: A lease of this process that holds the name (the head waits for it locally).
+        self.holder: Lease | None = None
+
+    def wake_head(self) -> None:
+        if self.tickets:
+            self.tickets[0].cond.notify()
+
+
+class _Listener:
+    """One LISTEN connection for a (source, schema) and the thread that reads it."""
+
+    def __init__(self, mgr: _Manager, source: _Source, schema: str) -> None:
+        self.mgr = mgr
+        self.source = source
+        self.schema = schema
+        self.channel = lease_channel(schema)
+        self.key = (source.key, schema)
+        self.healthy = False
+        self.conn: psycopg.Connection[Any] | None = None
+        self._close: Callable[[], None] | None = None
+        self._connect()  # in the caller's thread: LISTEN is active before it tries again
+        self.thread = threading.Thread(
+            target=self._run, name=f"pglock-lease-listener-{schema}", daemon=True
+        )
+
+    def _connect(self) -> None:
+        conn, close = self.source.open_listener()
+        try:
+            _count("listen")
+            conn.execute(_sql.listen(self.channel))
+        except BaseException:
+            close()
+            raise
+        self.conn, self._close = conn, close
+        self.healthy = True
+
+    def _drop(self) -> None:
+        self.healthy = False
+        close, self.conn, self._close = self._close, None, None
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                logger.debug("closing the listener connection failed", exc_info=True)
+
+    def _run(self) -> None:
+        backoff = 0.1
+        idle_since: float | None = None
+        while True:
+            if self.conn is None:
+                try:
+                    self._connect()
+                    backoff = 0.1
+                    # Releases may have gone unheard while the connection was down.
+                    self.mgr.wake_all(self.key)
+                except Exception as exc:
+                    logger.debug("lease listener reconnect failed: %r", exc)
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    if self.mgr.stop_listener_if_idle(self, idle_for=None):
+                        return
+                    continue
+            conn = self.conn
+            assert conn is not None
+            try:
+                for n in conn.notifies(timeout=1.0):
+                    if n.channel == self.channel:
+                        self.mgr.on_notify(self.key, n.payload)
+            except Exception as exc:
+                logger.info("lease listener lost its connection (%r); waiters poll", exc)
+                self._drop()
+                self.mgr.wake_all(self.key)
+                continue
+            now = time.monotonic()
+            if self.mgr.has_waiters(self.key):
+                idle_since = None
+            elif idle_since is None:
+                idle_since = now
+            elif self.mgr.stop_listener_if_idle(self, idle_for=now - idle_since):
+                return
+
+    def close(self) -> None:
+        self._drop()
+
+
+class _Manager:
+    """Process-wide state: held leases (keepalive), wait queues, NOTIFY listeners."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)  # the keepalive thread sleeps on it
+        self.leases: set[Lease] = set()
+        self.thread: threading.Thread | None = None
+        #: When the sleeping keepalive thread wakes next (-inf while it is awake).
+        self.next_wake = -math.inf
+        self.queues: dict[tuple[Any, ...], _Queue] = {}
+        #: Tickets waiting, per (source key, schema): is a listener still needed?
+        self.waiting: Counter[tuple[Any, ...]] = Counter()
+        self.listeners: dict[tuple[Any, ...], _Listener] = {}
+        self.listener_create = threading.Lock()
+        self.rng = random.Random()
+
+    # -- held leases and the keepalive thread ------------------------------------------------
+
+    def register(self, lease: Lease) -> None:
+        with self.lock:
+            self.leases.add(lease)
+            q = self.queues.get(lease._qkey)
+            if q is not None:
+                q.holder = lease
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(
+                    target=self._keepalive, name="pglock-lease-keepalive", daemon=True
+                )
+                self.next_wake = -math.inf
+                self.thread.start()
+            elif min(lease._renew_due(), lease._deadline) < self.next_wake:
+                # Only when the new lease is due before the thread's next wake-up: a stream of
+                # acquires must not make it rescan every held lease each time.
+                self.cond.notify()
+
+    def unregister(self, lease: Lease, *, notified: bool = False) -> None:
+        """Forget a lease that is no longer held; wake the local waiters for its name."""
+        with self.lock:
+            self.leases.discard(lease)
+            q = self.queues.get(lease._qkey)
+            if q is None:
+                return
+            if q.holder is lease:
+                q.holder = None
+            lst = self.listeners.get(lease._group)
+            if notified and lst is not None and lst.healthy:
+                # The NOTIFY reaches these waiters through the listener; waking them now as
+                # well would make the next one ask again, needlessly, after the handoff.
+                return
+            q.version += 1
+            q.wake_head()
+
+    def _keepalive(self) -> None:
+        while True:
+            lost: list[tuple[Lease, str]] = []
+            batches: dict[tuple[Any, ...], list[Lease]] = {}
+            with self.lock:
+                now = time.monotonic()
+                wake_at = math.inf
+                due_groups: set[tuple[Any, ...]] = set()
+                for lease in self.leases:
+                    if now >= lease._deadline:
+                        lost.append((lease, "its TTL ran out before a renewal succeeded"))
+                        continue
+                    wake_at = min(wake_at, lease._deadline)
+                    if not lease._keepalive:
+                        continue
+                    due = lease._renew_due()
+                    if now >= due:
+                        due_groups.add(lease._group)
+                    wake_at = min(wake_at, due)
+                if due_groups:
+                    for lease in self.leases:
+                        if (
+                            lease._keepalive
+                            and lease._group in due_groups
+                            and not lease._renewing
+                            and lease._renew_soon() <= now < lease._deadline
+                        ):
+                            lease._renewing = True
+                            batches.setdefault(lease._group, []).append(lease)
+                if not lost and not batches:
+                    self.next_wake = wake_at
+                    self.cond.wait(None if wake_at == math.inf else max(0.0, wake_at - now))
+                    self.next_wake = -math.inf  # awake: it rescans before sleeping again
+                    continue
+            for lease, reason in lost:
+                lease._lose(reason)
+            for leases in batches.values():
+                try:
+                    self._renew(leases)
+                finally:
+                    with self.lock:
+                        for lease in leases:
+                            lease._renewing = False
+
+    def _renew(self, leases: list[Lease]) -> None:
+        source, schema = leases[0]._source, leases[0]._schema
+        snaps = [snap for snap in map(Lease._snapshot, leases) if snap is not None]
+        if not snaps:
+            return
+        names = [s[1] for s in snaps]
+        holders = [s[2] for s in snaps]
+        tokens = [s[3] for s in snaps]
+        ttls = [s[4] for s in snaps]
+        durable = any(s[0]._durable for s in snaps)
+        sent = time.monotonic()
+        earliest = min(s[0]._deadline for s in snaps)
+        try:
+            rows = source.run(
+                "extend_many",
+                schema,
+                (names, holders, tokens, ttls, durable),
+                timeout=max(0.05, earliest - sent),
+            )
+        except Exception as exc:
+            logger.info("renewing %d lease(s) failed, retrying: %r", len(snaps), exc)
+            for lease, *_ in snaps:
+                lease._renew_failed(sent)
+            return
+        renewed = {(r[0], r[1]): r[2] for r in rows}
+        for lease, name, _holder, token, ttl, gen in snaps:
+            expires_at = renewed.get((name, token))
+            if expires_at is not None:
+                lease._renewed(gen, sent, ttl, expires_at)
+            else:
+                lease._lose(
+                    "the renewal found it no longer held (expired, taken over, or released "
+                    "elsewhere)",
+                    gen=gen,
+                )
+
+    # -- wait queues ------------------------------------------------------------------------
+
+    def enqueue(self, qkey: tuple[Any, ...]) -> tuple[_Queue, _Ticket]:
+        with self.lock:
+            q = self.queues.get(qkey)
+            if q is None:
+                q = self.queues[qkey] = _Queue()
+            ticket = _Ticket(self.lock)
+            q.tickets.append(ticket)
+            self.waiting[qkey[:2]] += 1
+            return q, ticket
+
+    def dequeue(self, qkey: tuple[Any, ...], q: _Queue, ticket: _Ticket) -> None:
+        with self.lock:
+            was_head = bool(q.tickets) and q.tickets[0] is ticket
+            try:
+                q.tickets.remove(ticket)
+            except ValueError:
+                return
+            self.waiting[qkey[:2]] -= 1
+            if not self.waiting[qkey[:2]]:
+                del self.waiting[qkey[:2]]
+            if was_head:
+                q.wake_head()
+            # A queue lives while somebody waits; its holder is only of use to them.
+            if not q.tickets and self.queues.get(qkey) is q:
+                del self.queues[qkey]
+
+    def wait_head(self, q: _Queue, ticket: _Ticket, deadline: float | None) -> bool:
+        with self.lock:
+            while q.tickets[0] is not ticket:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                ticket.cond.wait(remaining)
+            return True
+
+    def on_notify(self, key: tuple[Any, ...], name: str) -> None:
+        with self.lock:
+            q = self.queues.get((*key, name))
+            if q is not None:
+                q.version += 1
+                q.wake_head()
+
+    def wake_all(self, key: tuple[Any, ...]) -> None:
+        with self.lock:
+            for qkey, q in self.queues.items():
+                if qkey[:2] == key:
+                    q.version += 1
+                    q.wake_head()
+
+    def has_waiters(self, key: tuple[Any, ...]) -> bool:
+        with self.lock:
+            return key in self.waiting
+
+    # -- listeners ----------------------------------------------------------------------------
+
+    def listener(self, source: _Source, schema: str) -> tuple[_Listener | None, bool]:
+        """The (source, schema) listener, started if needed: (listener, created now)."""
+        key = (source.key, schema)
+        with self.lock:
+            lst = self.listeners.get(key)
+            if lst is not None:
+                return lst, False
+        with self.listener_create:
+            with self.lock:
+                lst = self.listeners.get(key)
+                if lst is not None:
+                    return lst, False
+            try:
+                lst = _Listener(self, source, schema)
+            except Exception as exc:
+                logger.info("could not LISTEN for lease releases (%r); waiters poll instead", exc)
+                return None, False
+            with self.lock:
+                self.listeners[key] = lst
+            lst.thread.start()
+            return lst, True
+
+    def stop_listener_if_idle(self, lst: _Listener, idle_for: float | None) -> bool:
+        with self.lock:
+            busy = lst.key in self.waiting
+            if busy or (idle_for is not None and idle_for < _LISTENER_IDLE):
+                return False
+            if self.listeners.get(lst.key) is lst:
+                del self.listeners[lst.key]
+        lst.close()
+        return True
+
+    def fallback(self, lst: _Listener | None, attempt: int) -> float:
+        if lst is not None and lst.healthy:
+            return self.rng.uniform(*_FALLBACK_POLL)
+        low, high = _DEGRADED_POLL
+        return self.rng.uniform(0.5, 1.0) * min(high, low * 2.0 ** min(attempt, 30))
+
+
+_manager_lock = threading.Lock()
+_the_manager: _Manager | None = None
+
+
+def _mgr() -> _Manager:
+    global _the_manager
+    m = _the_manager
+    if m is None:
+        with _manager_lock:
+            if _the_manager is None:
+                _the_manager = _Manager()
+            m = _the_manager
+    return m
+
+
+def _after_fork_in_child() -> None:
+    # Threads and connections do not survive a fork: the child starts from nothing, and the
+    # parent's leases stay the parent's (the child must not renew or release them).
+    global _the_manager, _manager_lock, _stats_lock, _dsn_lock
+    _the_manager = None
+    _manager_lock = threading.Lock()
+    _stats_lock = threading.Lock()
+    _dsn_lock = threading.Lock()
+    _dsn_sources.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# --- the public API ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """A live lease as the database sees it (from :func:`lease_info`, :func:`list_leases`).
+
+    :ivar expires_in: seconds left at the time of the query, on the database clock.
+    """
+
+    name: str
+    holder: str
+    token: int
+    acquired_at: datetime
+    expires_at: datetime
+    metadata: Any
+    expires_in: float
+
+
+class Lease:
+    """A TTL lease on a name, with a fencing token; see :func:`lease`.
+
+    Thread safety: a ``Lease`` may be shared between threads (``check()``, ``guard()`` and the
+    properties are safe from any thread; ``acquire``/``release``/``extend`` are serialized).
+    pglock's keepalive thread renews it in the background.
+    """
+
+    def __init__(
+        self,
+        source: object,
+        name: str,
+        *,
+        ttl: float = 30.0,
+        timeout: float | None = None,
+        metadata: Any = None,
+        keepalive: bool = True,
+        holder: str | None = None,
+        on_lost: Callable[[Lease], object] | None = None,
+        resume: bool = False,
+        durable: bool = True,
+        schema: str = DEFAULT_SCHEMA,
+    ) -> None:
+        self._name = validate_name(name)
+        self._ttl = validate_ttl(ttl)
+        self._timeout = validate_timeout(timeout)
+        self._metadata_json = encode_metadata(metadata)
+        self._metadata: Any = json.loads(self._metadata_json) if self._metadata_json else None
+        self._keepalive = validate_flag(keepalive, "keepalive")
+        self._resume = validate_flag(resume, "resume")
+        self._durable = validate_flag(durable, "durable")
+        if on_lost is not None and not callable(on_lost):
+            raise TypeError(f"on_lost must be callable, not {type(on_lost).__name__}")
+        self._on_lost = on_lost
+        self._schema = validate_schema(schema)
+        if resume:
+            if holder is None:
+                raise ValueError("resume=True needs the holder id of the lease to resume")
+            if metadata is not None:
+                raise ValueError("resume=True keeps the stored metadata; do not pass metadata")
+        self._holder = default_holder() if holder is None else validate_holder(holder)
+        self._source = make_source(source)
+        self._qkey = (self._source.key, self._schema, self._name)
+        self._group = (self._source.key, self._schema)
+
+        self._op = threading.Lock()  # acquire / release / extend, one at a time
+        self._lock = threading.Lock()  # the fields below
+        self._state = _NEW
+        self._lost = False
+        self._lost_reason = ""
+        self._gen = 0
+        self._token: int | None = None
+        self._acquired_at: datetime | None = None
+        self._expires_at: datetime | None = None
+        self._sent_at = 0.0
+        self._deadline = -math.inf
+        self._retry_at: float | None = None
+        self._renewing = False  # guarded by the manager's lock
+        self._refused: tuple[str | None, datetime | None] | None = None  # (holder, until)
+
+    # -- properties --------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The lease name."""
+        return self._name
+
+    @property
+    def holder(self) -> str:
+        """This lease's holder id (save it to :meth:`resume <lease>` after a restart)."""
+        return self._holder
+
+    @property
+    def schema(self) -> str:
+        return self._schema
+
+    @property
+    def ttl(self) -> float:
+        """The TTL in seconds that acquire, extend and the keepalive apply."""
+        return self._ttl
+
+    @property
+    def token(self) -> int | None:
+        """The fencing token of the current grant (None before the first acquire).
+
+        Strictly larger for every new grant of the name; kept by extend and re-acquire."""
+        return self._token
+
+    @property
+    def acquired_at(self) -> datetime | None:
+        """When this grant began, on the database clock."""
+        return self._acquired_at
+
+    @property
+    def expires_at(self) -> datetime | None:
+        """When the lease expires unless renewed, on the database clock (as of the last
+        acquire or renewal)."""
+        return self._expires_at
+
+    @property
+    def metadata(self) -> Any:
+        """The metadata stored with the lease (decoded JSON), or None."""
+        return self._metadata
+
+    @property
+    def locked(self) -> bool:
+        """True while held and not lost (the client deadline has not passed)."""
+        with self._lock:
+            return self._state == _HELD and not self._lost and time.monotonic() < self._deadline
+
+    @property
+    def lost(self) -> bool:
+        """True when the lease was held and is known lost (or its client deadline passed)."""
+        with self._lock:
+            return self._state == _HELD and (self._lost or time.monotonic() >= self._deadline)
+
+    def __repr__(self) -> str:
+        with self._lock:
+            state = "lost" if self._state == _HELD and self._lost else self._state
+        return f"<pglock.Lease {self._name!r} {state} token={self._token}>"
+
+    # -- acquire -----------------------------------------------------------------------------
+
+    def acquire(self, blocking: bool = True, timeout: float | None = _DEFAULT) -> bool:
+        """Take the lease; return True when granted, False when not granted in time.
+
+        :param blocking: False tries once (same as ``timeout=0``).
+        :param timeout: seconds to wait; ``None`` waits forever; omitted uses the timeout given
+            to :func:`lease`. Ignored for ``resume=True``, which never waits.
+        :raises RuntimeError: this handle already holds the lease.
+        :raises pglock.LockLost: ``resume=True`` and no live lease of this holder exists.
+        :raises pglock.SchemaNotInstalled: the database has no lease schema.
+        """
+        validate_flag(blocking, "blocking")
+        timeout = self._timeout if timeout is _DEFAULT else validate_timeout(timeout)
+        if not blocking:
+            if timeout not in (None, 0):
+                raise ValueError("can't specify a timeout for a non-blocking acquire")
+            timeout = 0.0
+        with self._op:
+            with self._lock:
+                if self._state == _HELD:
+                    raise RuntimeError(f"this lease handle for {self._name!r} is already held")
+            if self._resume:
+                self._do_resume()
+                return True
+            if timeout == 0:
+                return self._attempt_once(0.0)
+            return self._wait_and_acquire(timeout)
+
+    def _attempt(self, wait: float | None) -> tuple[Any, ...]:
+        """One acquire statement. Returns its row plus the monotonic send and receive times."""
+        sent = time.monotonic()
+        rows = self._source.run(
+            "acquire",
+            self._schema,
+            (self._name, self._holder, self._ttl, self._metadata_json, wait, self._durable),
+            timeout=wait or None,
+        )
+        row = (*rows[0], sent, time.monotonic())
+        if not row[0]:
+            self._refused = (row[1], row[4])
+        return row
+
+    def _attempt_once(self, wait: float | None) -> bool:
+        row = self._attempt(wait)
+        if row[0]:
+            self._granted(row)
+            return True
+        logger.debug("lease %r is held by %r until %s", self._name, row[1], row[4])
+        return False
+
+    def _granted(self, row: tuple[Any, ...]) -> None:
+        _granted, _holder, token, acquired_at, expires_at, _server, sent, _recv = row
+        with self._lock:
+            self._state = _HELD
+            self._lost = False
+            self._lost_reason = ""
+            self._gen += 1
+            self._token = token
+            self._acquired_at = acquired_at
+            self._expires_at = expires_at
+            self._sent_at = sent
+            self._deadline = sent + self._ttl
+            self._retry_at = None
+        logger.debug("acquired lease %r (token %s)", self._name, token)
+        _mgr().register(self)
+
+    def _wait_and_acquire(self, timeout: float | None) -> bool:
+        mgr = _mgr()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        q, ticket = mgr.enqueue(self._qkey)
+        try:
+            if not mgr.wait_head(q, ticket, deadline):
+                return False
+            listener: _Listener | None = None
+            polls = 0
+            while True:
+                with mgr.lock:
+                    seen = q.version
+                    local = q.holder
+                wake_at: float | None = None
+                if local is not None and local is not self:
+                    with local._lock:
+                        if local._state == _HELD and not local._lost:
+                            wake_at = local._deadline + _EXPIRY_MARGIN
+                if wake_at is None or wake_at <= time.monotonic():
+                    remaining = _remaining(deadline)
+                    row = self._attempt(remaining)
+                    if row[0]:
+                        self._granted(row)
+                        return True
+                    if listener is None or not listener.healthy:
+                        listener, created = mgr.listener(self._source, self._schema)
+                        if created:
+                            continue  # LISTEN is active now: look once more, then sleep
+                    wake_at = row[7] + _EXPIRY_MARGIN
+                    if row[4] is not None and row[5] is not None:
+                        wake_at += max(0.0, (row[4] - row[5]).total_seconds())
+                    if deadline is not None and time.monotonic() >= deadline:
+                        return False
+                if local is None:
+                    polls += 1
+                    wake_at = min(wake_at, time.monotonic() + mgr.fallback(listener, polls))
+                if deadline is not None:
+                    wake_at = min(wake_at, deadline)
+                with mgr.lock:
+                    while q.version == seen:
+                        left = wake_at - time.monotonic()
+                        if left <= 0:
+                            break
+                        ticket.cond.wait(left)
+                    woken = q.version != seen
+                if not woken and deadline is not None and time.monotonic() >= deadline:
+                    return False
+        finally:
+            mgr.dequeue(self._qkey, q, ticket)
+
+    def _do_resume(self) -> None:
+        sent = time.monotonic()
+        rows = self._source.run(
+            "extend", self._schema, (self._name, self._holder, None, self._ttl, self._durable)
+        )
+        if not rows:
+            raise LockLost(
+                self._name,
+                reason=f"cannot resume: no live lease is held by {self._holder!r} (it expired, "
+                "was released, or another holder has it)",
+            )
+        token, acquired_at, expires_at, metadata = rows[0]
+        self._metadata = metadata
+        self._granted((True, self._holder, token, acquired_at, expires_at, None, sent, sent))
+        logger.info("resumed lease %r (token %s)", self._name, token)
+
+    # -- release -----------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Release the lease (one statement); waiting holders wake at once.
+
+        :raises RuntimeError: the handle does not hold the lease.
+        :raises pglock.LockLost: the lease had expired or been taken over before the release
+            (the handle is released all the same).
+        """
+        with self._op:
+            with self._lock:
+                if self._state != _HELD:
+                    raise RuntimeError(f"release of a lease that is not held: {self._name!r}")
+                self._state = _RELEASED
+                self._gen += 1
+                was_lost, reason = self._lost, self._lost_reason
+                token = self._token
+            mgr = _mgr()
+            try:
+                rows = self._source.run(
+                    "release", self._schema, (self._name, self._holder, token)
+                )
+            except BaseException:
+                mgr.unregister(self)
+                logger.warning(
+                    "could not release lease %r; it stays until it expires", self._name,
+                    exc_info=True,
+                )
+                raise
+            status, notified = rows[0]
+            mgr.unregister(self, notified=bool(notified))
+            if status == "released":
+                logger.debug("released lease %r (token %s)", self._name, token)
+                return
+            if status == "expired":
+                reason = "it had expired before the release"
+            elif not was_lost:
+                reason = "it was no longer held by this holder (expired and taken over)"
+            raise LockLost(self._name, reason=reason)
+
+    def __enter__(self) -> Self:
+        if not self.acquire():
+            info = ""
+            if self._refused is not None and self._refused[0] is not None:
+                info = f": held by {self._refused[0]!r} until {self._refused[1]}"
+            raise LockNotAcquired(
+                self._name,
+                timeout=self._timeout,
+                message=(
+                    f"could not acquire lease {self._name!r}"
+                    + ("" if self._timeout is None else f" within {self._timeout:.2f} s")
+                    + info
+                ),
+            )
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        with self._lock:
+            held = self._state == _HELD
+        if not held:
+            return
+        if exc is None:
+            self.release()
+            return
+        try:
+            self.release()
+        except Exception:
+            # Never mask the body's exception with a release problem.
+            logger.warning(
+                "releasing lease %r after the block raised %r failed", self._name, exc,
+                exc_info=True,
+            )
+
+    # -- while held --------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise :class:`pglock.LockLost` if the lease is lost or its deadline has passed.
+
+        No SQL: this is the client's own knowledge (keepalive results and the monotonic
+        deadline), so it is cheap enough to call in a loop.
+
+        :raises RuntimeError: the lease is not held (never acquired, or released).
+        """
+        self._ensure_valid()
+
+    def extend(self, ttl: float | None = None) -> None:
+        """Renew the lease now for ``ttl`` seconds (default: the lease's TTL); keeps the token.
+
+        A new ``ttl`` becomes the lease's TTL for the keepalive too. The expiry never moves
+        back: extending by less than what is left keeps the later expiry.
+
+        :raises pglock.LockLost: the lease is lost, expired, or no longer held.
+        :raises RuntimeError: the lease is not held.
+        """
+        new_ttl = self._ttl if ttl is None else validate_ttl(ttl)
+        with self._op:
+            self._ensure_valid()
+            with self._lock:
+                token, gen = self._token, self._gen
+            sent = time.monotonic()
+            rows = self._source.run(
+                "extend", self._schema, (self._name, self._holder, token, new_ttl, self._durable)
+            )
+            if not rows:
+                self._lose("extend found it no longer held (expired or taken over)", gen=gen)
+                self._ensure_valid()
+            with self._lock:
+                self._ttl = new_ttl
+            self._renewed(gen, sent, new_ttl, rows[0][2])
+
+    def guard(self, conn: object) -> None:
+        """Fence a write: in the caller's open transaction on the lease's database, check that
+        this holder still holds the lease with this token and that it has not expired, and lock
+        the lease row until that transaction ends. A takeover by another holder waits for the
+        commit or rollback; renewals go on.
+
+        :param conn: a psycopg ``Connection`` (a non-autocommit one begins its transaction
+            here), or a SQLAlchemy ``Connection``/ORM ``Session`` on the psycopg driver.
+        :raises pglock.LockLost: not held any more: roll the transaction back.
+        :raises pglock.InvalidConnectionState: an autocommit connection outside a transaction
+            (the lock would end at once), or a failed transaction.
+
+        Example::
+
+            with conn.transaction():
+                lease.guard(conn)
+                conn.execute("UPDATE accounts SET ... WHERE id = 1")
+        """
+        self._ensure_valid()
+        target = _conn.resolve(conn)
+        pg = target.conn
+        status = _conn.check_usable(pg)
+        if status == TransactionStatus.IDLE and pg.autocommit:
+            raise InvalidConnectionState(
+                "guard() needs the caller's open transaction: this connection is in autocommit "
+                "mode, so the row lock would end at once; use 'with conn.transaction():'"
+            )
+        _conn.ensure_sqlalchemy_transaction(target)
+        with self._lock:
+            token, gen = self._token, self._gen
+        try:
+            _count("guard")
+            with pg.cursor() as cur:
+                cur.execute(_stmt("guard", self._schema), (self._name, self._holder, token))
+                row = cur.fetchone()
+        except psycopg.Error as exc:
+            translated = _translate(exc, pg, self._schema)
+            if translated is None:
+                raise
+            raise translated from exc
+        if not (row and row[0]):
+            self._lose("guard found it no longer held (expired or taken over)", gen=gen)
+            self._ensure_valid()
+            raise LockLost(self._name, reason="guard found it no longer held")
+
+    # -- internals used by the manager -------------------------------------------------------
+
+    def _ensure_valid(self) -> None:
+        with self._lock:
+            state, lost, reason, deadline = (
+                self._state,
+                self._lost,
+                self._lost_reason,
+                self._deadline,
+            )
+        if state != _HELD:
+            raise RuntimeError(f"lease {self._name!r} is not held")
+        if lost:
+            raise LockLost(self._name, reason=reason)
+        if time.monotonic() >= deadline:
+            self._lose("its TTL ran out before a renewal succeeded")
+            with self._lock:
+                reason = self._lost_reason
+            raise LockLost(self._name, reason=reason)
+
+    def _renew_due(self) -> float:
+        retry = self._retry_at
+        return retry if retry is not None else self._sent_at + self._ttl / 3
+
+    def _renew_soon(self) -> float:
+        # Renew early to share a round: anything past half its interval comes along.
+        retry = self._retry_at
+        return retry if retry is not None else self._sent_at + self._ttl / 6
+
+    def _snapshot(self) -> tuple[Lease, str, str, int, float, int] | None:
+        with self._lock:
+            if self._state != _HELD or self._lost or self._token is None:
+                return None
+            return (self, self._name, self._holder, self._token, self._ttl, self._gen)
+
+    def _renewed(self, gen: int, sent: float, ttl: float, expires_at: datetime) -> None:
+        with self._lock:
+            if gen != self._gen or self._state != _HELD or self._lost:
+                return
+            self._sent_at = max(self._sent_at, sent)
+            self._deadline = max(self._deadline, sent + ttl)
+            if self._expires_at is None or expires_at > self._expires_at:
+                self._expires_at = expires_at
+            self._retry_at = None
+
+    def _renew_failed(self, sent: float) -> None:
+        with self._lock:
+            self._retry_at = sent + min(1.0, max(0.05, self._ttl / 10))
+
+    def _lose(self, reason: str, gen: int | None = None) -> None:
+        with self._lock:
+            if self._state != _HELD or self._lost or (gen is not None and gen != self._gen):
+                return
+            self._lost = True
+            self._lost_reason = reason
+        _mgr().unregister(self)
+        if self._keepalive:
+            logger.warning("lease %r (token %s) was lost: %s", self._name, self._token, reason)
+        else:
+            logger.info("lease %r (token %s) ended: %s", self._name, self._token, reason)
+        if self._on_lost is not None:
+            try:
+                self._on_lost(self)
+            except Exception:
+                logger.exception("the on_lost callback of lease %r raised", self._name)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def lease(
+    source: object,
+    name: str,
+    *,
+    ttl: float = 30.0,
+    timeout: float | None = None,
+    metadata: Any = None,
+    keepalive: bool = True,
+    holder: str | None = None,
+    on_lost: Callable[[Lease], object] | None = None,
+    resume: bool = False,
+    durable: bool = True,
+    schema: str = DEFAULT_SCHEMA,
+) -> Lease:
+    """A TTL lease on ``name`` with a fencing token, as a context manager.
+
+    A lease is a row in the pglock schema: it names its holder, expires on its own if the
+    holder dies, carries metadata, and hands out a fencing token that is strictly larger for
+    every new grant. Time is the database's ``clock_timestamp()``.
+
+    :param source: a ``psycopg_pool.ConnectionPool``, a SQLAlchemy ``Engine`` (psycopg driver)
+        or a DSN string. Lease statements run on connections of their own from it (for a DSN,
+        pglock keeps a few connections open and closes them at exit), never in the caller's
+        transaction.
+    :param ttl: seconds the lease lives without renewal (``0 < ttl <= 86400``).
+    :param timeout: ``None`` waits until granted; ``0`` tries once; ``> 0`` waits that long.
+    :param metadata: any JSON value stored with the lease (at most 64 KiB).
+    :param keepalive: renew in pglock's background thread at about ``ttl/3``.
+    :param holder: the holder id (default: ``host:pid:random``). The same holder re-acquiring
+        a live lease keeps its token.
+    :param on_lost: called as ``on_lost(lease)`` when the lease is lost (in pglock's thread).
+    :param resume: re-attach to a live lease of ``holder`` (after a restart) instead of
+        acquiring; :class:`pglock.LockLost` if there is none.
+    :param durable: False sends grants and renewals with ``synchronous_commit = off`` (faster;
+        a server crash can forget the last grants: see docs/leases.md).
+    :param schema: the pglock schema (default ``pglock``).
+    :raises TypeError, ValueError: bad arguments, before any SQL.
+
+    Example::
+
+        with pglock.lease(pool, "job:123", ttl=30, timeout=10) as lease:
+            with conn.transaction():
+                lease.guard(conn)
+                conn.execute("UPDATE jobs SET state = 'done' WHERE id = 123")
+    """
+    return Lease(
+        source,
+        name,
+        ttl=ttl,
+        timeout=timeout,
+        metadata=metadata,
+        keepalive=keepalive,
+        holder=holder,
+        on_lost=on_lost,
+        resume=resume,
+        durable=durable,
+        schema=schema,
+    )
+
+
+# --- introspection -----------------------------------------------------------------------------
+
+
+def _query(
+    target: object, kind: str, schema: str, params: tuple[Any, ...]
+) -> list[tuple[Any, ...]]:
+    """Run a read-only lease query on a source (pool, engine, DSN) or a caller's connection."""
+    if isinstance(target, str) or not _is_connection(target):
+        return make_source(target).run(kind, schema, params)
+    resolved = _conn.resolve(target)
+    pg = resolved.conn
+    status = _conn.check_usable(pg)
+    own = status == TransactionStatus.IDLE and not pg.autocommit
+    try:
+        _count(kind)
+        with pg.cursor() as cur:
+            cur.execute(_stmt(kind, schema), params)
+            rows = cur.fetchall()
+    except psycopg.Error as exc:
+        if own and not pg.broken:
+            pg.rollback()
+        translated = _translate(exc, pg, schema)
+        if translated is None:
+            raise
+        raise translated from exc
+    if own:
+        pg.commit()  # leave an idle connection idle
+    return rows
+
+
+def _is_connection(obj: object) -> bool:
+    if isinstance(obj, psycopg.Connection):
+        return True
+    mod = type(obj).__module__
+    if mod.startswith("sqlalchemy"):
+        from sqlalchemy.engine import Engine
+
+        return not isinstance(obj, Engine)
+    return False
+
+
+def _info(row: tuple[Any, ...]) -> LeaseInfo:
+    name, holder, token, acquired_at, expires_at, metadata, expires_in = row
+    return LeaseInfo(name, holder, token, acquired_at, expires_at, metadata, float(expires_in))
+
+
+def lease_info(conn: object, name: str, *, schema: str = DEFAULT_SCHEMA) -> LeaseInfo | None:
+    """The live lease on ``name``, or None when nobody holds it (free or expired).
+
+    :param conn: a psycopg ``Connection`` or SQLAlchemy ``Connection``/``Session`` (read in its
+        transaction if one is open; an idle connection is left idle), or a lease source (pool,
+        engine, DSN).
+    :raises pglock.SchemaNotInstalled: the database has no lease schema.
+
+    Example::
+
+        info = pglock.lease_info(conn, "job:123")
+        if info is not None:
+            print(info.holder, info.token, info.expires_in)
+    """
+    validate_name(name)
+    schema = validate_schema(schema)
+    rows = _query(conn, "info", schema, (name,))
+    return _info(rows[0]) if rows else None
+
+
+def list_leases(
+    conn: object, *, prefix: str | None = None, schema: str = DEFAULT_SCHEMA
+) -> list[LeaseInfo]:
+    """Every live lease (name, holder, token, acquired_at, expires_at, metadata, expires_in),
+    sorted by name; only names starting with ``prefix`` if given.
+
+    :param conn: as for :func:`lease_info`.
+    :raises pglock.SchemaNotInstalled: the database has no lease schema.
+    """
+    if prefix is not None:
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str or None, not {type(prefix).__name__}")
+        if "\x00" in prefix:
+            raise ValueError("prefix must not contain NUL (\\x00) characters")
+    schema = validate_schema(schema)
+    return [_info(r) for r in _query(conn, "list", schema, (prefix,))]
+
+
+__all__ = [
+    "MAX_HOLDER_BYTES",
+    "MAX_METADATA_BYTES",
+    "MAX_TTL",
+    "Lease",
+    "LeaseInfo",
+    "lease",
+    "lease_info",
+    "list_leases",
+]
