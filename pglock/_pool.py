@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
     from ._leader import LeaderElection
     from ._rwlock import RWLock
+    from ._semaphore import Semaphore
     from ._singleton import Singleton
 
 logger = logging.getLogger("pglock.pool")
@@ -103,10 +104,18 @@ def release_all(
     Returns the leaked locks' descriptions (``"key"`` or ``"key shared"``). Shared by the
     psycopg_pool hook and the SQLAlchemy reset listener."""
     state = _conn.forget(conn, lost=_RESET_LOST)
-    rows = _conn.run(conn, _sql.UNLOCK_ALL_REPORTING)
     if end_own_transaction and not conn.autocommit:
-        conn.commit()
-    held: list[str] = list(rows[0][0] or []) if rows else []
+        # One round trip instead of two (statement + COMMIT): flipping autocommit on an idle
+        # connection is client-side only.
+        conn.autocommit = True
+        try:
+            row = _conn.run_one(conn, _sql.UNLOCK_ALL_REPORTING, ())
+        finally:
+            if not conn.closed:
+                conn.autocommit = False
+    else:
+        row = _conn.run_one(conn, _sql.UNLOCK_ALL_REPORTING, ())
+    held: list[str] = list(row[0] or []) if row else []
     if not held:
         return []
     deferred = set()
@@ -719,6 +728,23 @@ class Locker:
             check_interval=check_interval,
             takeover_delay=takeover_delay,
             network_timeout=network_timeout,
+        )
+
+    def semaphore(
+        self, name: str, *, limit: int, ttl: float = 30.0, metadata: Any = None
+    ) -> Semaphore:
+        """A semaphore on the namespaced ``name`` over this Locker's source and schema: see
+        :func:`pglock.semaphore`. Needs the pglock schema installed.
+
+        Example::
+
+            with locker.semaphore("exports", limit=3):
+                run_export()
+        """
+        from ._semaphore import Semaphore
+
+        return Semaphore._for_locker(
+            self._connection_source, self.full_name(name), limit, ttl, self._schema, metadata
         )
 
 

@@ -234,8 +234,9 @@ UNLOCK_ALL = sql.SQL("SELECT pg_catalog.pg_advisory_unlock_all()")
 # The pool reset hook: one round trip that reports which advisory locks the session still holds
 # (as "key" or "key shared"; two-int4 keys as "classid,objid") and then drops them all. The
 # aggregate subquery is not flattened, so it reads pg_locks completely before the outer
-# select list calls pg_advisory_unlock_all().
-UNLOCK_ALL_REPORTING = sql.SQL(
+# select list calls pg_advisory_unlock_all(). Fixed text (not composed) so psycopg caches it
+# and prepares it: this runs at every checkin.
+UNLOCK_ALL_REPORTING = (
     "SELECT s.held, pg_catalog.pg_advisory_unlock_all() FROM ("
     " SELECT array_agg(CASE WHEN l.objsubid = 1"
     "   THEN ((l.classid::bigint << 32) | l.objid::bigint)::text"
