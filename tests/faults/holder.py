@@ -194,6 +194,98 @@ class Workload:
         return {"ok": True, "acked": self.acked, "errors": self.errors}
 
 
+# --- the T27 soak ----------------------------------------------------------------------------
+
+
+def soak(req: dict[str, Any]) -> dict[str, Any]:
+    """Random acquire / critical section / release on a few names until the deadline, logging
+    every invoke and completion to a history file (flushed per line, so a SIGKILL loses
+    nothing that happened). The critical section runs on the lock's own session (session kind)
+    or in its transaction (xact kind): session-bound writes are fenced even under faults."""
+    import random
+    import time
+
+    rng = random.Random(req["seed"])
+    deadline = time.monotonic() + req["seconds"]
+    kind = req["kind"]
+    names: list[str] = req["names"]
+    oracles = {n: Oracle(p) for n, p in zip(names, req["oracles"], strict=True)}
+    hist = open(req["history"], "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+    conn: psycopg.Connection[Any] | None = None
+    gen = 0
+    seq = 0
+
+    def log(**ev: Any) -> None:
+        ev["t"] = time.monotonic()
+        hist.write(json.dumps(ev) + "\n")
+
+    def drop() -> None:
+        nonlocal conn
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+        conn = None
+
+    while time.monotonic() < deadline:
+        if conn is None or conn.closed or conn.broken:
+            try:
+                conn = psycopg.connect(
+                    req["dsn"], autocommit=True, application_name=req["app"], connect_timeout=2
+                )
+                gen += 1
+            except psycopg.OperationalError:
+                time.sleep(0.05)
+                continue
+        p = f"{os.getpid()}:{gen}"
+        name = rng.choice(names)
+        timeout = rng.choice([0.0, 0.05, 0.2])
+        seq += 1
+        op_id = f"{p}:{seq}"
+        log(p=p, name=name, f="acquire", ev="invoke")
+        lock = None
+        try:
+            if kind == "session":
+                lock = pglock.pg_lock(conn, name, timeout=timeout)
+                ok = lock.acquire()
+            else:
+                conn.execute("BEGIN")
+                try:
+                    pglock.xact_lock(conn, name, timeout=timeout)
+                    ok = True
+                except pglock.LockNotAcquired:
+                    ok = False
+                    conn.execute("ROLLBACK")
+        except Exception as exc:
+            log(p=p, name=name, f="acquire", ev="info", error=type(exc).__name__)
+            drop()  # the session ends, and with it anything the attempt may have got
+            continue
+        log(p=p, name=name, f="acquire", ev="ok" if ok else "fail")
+        if not ok:
+            time.sleep(rng.uniform(0, 0.005))
+            continue
+        try:
+            oracles[name].section(conn, p, op_id, None, 0.004)
+            section_ok = True
+        except Exception:
+            section_ok = False
+        log(p=p, name=name, f="release", ev="invoke")
+        try:
+            if kind == "session":
+                assert lock is not None
+                lock.release()
+            else:
+                conn.execute("COMMIT")
+            log(p=p, name=name, f="release", ev="ok", op=op_id, acked=section_ok)
+        except Exception as exc:
+            # Lost some time after the acquire (session ended, transaction rolled back or an
+            # unknown COMMIT outcome): the section is not acknowledged.
+            log(p=p, name=name, f="release", ev="lost", op=op_id, error=type(exc).__name__)
+            drop()
+    drop()
+    hist.close()
+    return {"ok": True, "generations": gen, "ops": seq}
+
+
 # --- the request loop ---------------------------------------------------------------------------
 
 
@@ -263,6 +355,8 @@ class Holder:
         if op == "go":
             assert self.workload is not None
             return self.workload.run()
+        if op == "soak":
+            return soak(req)
         if op == "ping":
             return {"ok": True}
         raise ValueError(f"unknown op {op!r}")

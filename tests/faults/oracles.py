@@ -127,8 +127,13 @@ class Oracle:
 
     # -- after the run (checker side) -----------------------------------------------------
 
-    def check(self, conn: psycopg.Connection[Any], acked: Iterable[str]) -> Verdict:
-        """Compare the shared state with the acknowledged operations."""
+    def check(
+        self, conn: psycopg.Connection[Any], acked: Iterable[str], *, closed_only: bool = False
+    ) -> Verdict:
+        """Compare the shared state with the acknowledged operations.
+
+        ``closed_only``: count overlaps among finished sections only (a holder killed inside
+        its section never writes its exit row)."""
         acked_list = list(acked)
         row = conn.execute(
             sql.SQL("SELECT value, ids FROM {c} WHERE id = 1").format(c=self.counter)
@@ -139,8 +144,14 @@ class Oracle:
             sql.SQL(
                 "SELECT count(*) FROM {a} x JOIN {a} y ON x.id < y.id"
                 " WHERE x.enter_seq < coalesce(y.exit_seq, {m})"
-                "   AND y.enter_seq < coalesce(x.exit_seq, {m})"
-            ).format(a=self.audit, m=sql.Literal(BIGINT_MAX))
+                "   AND y.enter_seq < coalesce(x.exit_seq, {m}){closed}"
+            ).format(
+                a=self.audit,
+                m=sql.Literal(BIGINT_MAX),
+                closed=sql.SQL(
+                    " AND x.exit_seq IS NOT NULL AND y.exit_seq IS NOT NULL" if closed_only else ""
+                ),
+            )
         ).fetchone()
         intervals = conn.execute(
             sql.SQL("SELECT enter_seq, exit_seq, token FROM {a} ORDER BY enter_seq").format(
