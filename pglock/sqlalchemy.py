@@ -16,22 +16,28 @@ The safety net for pooled connections is :func:`release_on_checkin`: it hooks th
 ``reset`` event (SQLAlchemy 2.0+) so that a connection returned to the pool holding an
 advisory lock (taken by raw SQL, or a ``pg_lock`` block that was never left) has it released,
 with a WARNING naming the keys, before anyone else can check it out.
+
+For ORM code, :func:`locked_session` holds a session lock around a ``Session`` whose commits
+do not give the connection (and the lock) back to the pool.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import psycopg
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
 from sqlalchemy.pool import Pool, PoolResetState
 
 from ._conn import IDLE, INERROR
-from ._pool import release_all
+from ._pool import PoolLock, release_all
 
-__all__ = ["release_on_checkin"]
+__all__ = ["locked_session", "release_on_checkin"]
 
 logger = logging.getLogger("pglock.sqlalchemy")
 
@@ -86,3 +92,50 @@ def release_on_checkin(engine_or_pool: Engine | Pool) -> None:
         )
     if not event.contains(target, "reset", _on_reset):
         event.listen(target, "reset", _on_reset)
+
+
+def locked_session(
+    engine: Engine,
+    names: str | Sequence[str],
+    *,
+    shared: bool = False,
+    timeout: float | None = None,
+    session_factory: Callable[..., Session] = Session,
+) -> contextlib.AbstractContextManager[Session]:
+    """An ORM ``Session`` on a connection that holds a session advisory lock.
+
+    ``with locked_session(engine, "invoice:42") as session:`` checks a connection out of
+    ``engine`` and locks it as :func:`pglock.pool_lock` does, then yields a ``Session`` bound to
+    that connection. The body's work is committed at the end of the block (rolled back if it
+    raised), while the lock is still held; the body may also commit on its own. Because the
+    Session is bound to one connection, ``session.commit()`` does not return the connection,
+    and so the lock, to the pool, as it would for a Session bound to the engine.
+
+    :param session_factory: a ``Session`` subclass or a ``sessionmaker``; called as
+        ``session_factory(bind=connection)``.
+    :raises pglock.LockNotAcquired: not acquired within ``timeout``.
+    :raises TypeError: ``engine`` is not a psycopg Engine; bad names or timeout.
+
+    Example::
+
+        with pglock.sqlalchemy.locked_session(engine, "invoice:42", timeout=5) as session:
+            session.get(Invoice, 42).sent = True
+    """
+    lock = PoolLock(engine, names, shared=shared, timeout=timeout)
+    if not callable(session_factory):
+        raise TypeError("session_factory must be a Session class or a sessionmaker")
+    return _locked_session(lock, session_factory)
+
+
+@contextlib.contextmanager
+def _locked_session(lock: PoolLock, session_factory: Callable[..., Session]) -> Iterator[Session]:
+    with lock as conn:
+        session = session_factory(bind=conn)
+        try:
+            yield session
+            session.commit()
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            session.close()

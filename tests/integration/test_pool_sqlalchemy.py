@@ -404,3 +404,61 @@ def test_negative_control_queue_pool_without_the_lock_loses_updates(
     v, acked = run_counter(pg_dsn, app_name, lambda: engine.connect())
     assert acked == 80
     assert v < acked, "the oracle found no lost update without a lock: it proves nothing"
+
+
+# --- locked_session ----------------------------------------------------------------------------
+
+
+def test_locked_session_keeps_the_lock_across_commits(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    table = f"t_{uuid.uuid4().hex[:12]}"
+    other.execute(sql.SQL("CREATE TABLE {} (v int)").format(sql.Identifier(table)))
+    insert = sa.text(f'INSERT INTO "{table}" VALUES (:v)')
+    try:
+        engine = make_engine()
+        with pglock.sqlalchemy.locked_session(engine, name, timeout=5) as session:
+            pid = pid_of(session)
+            session.execute(insert, {"v": 1})
+            session.commit()  # the connection, and the lock, stay with the block
+            assert advisory_held(other, pid) == [(pglock.key(name), "ExclusiveLock")]
+            session.execute(insert, {"v": 2})  # committed at the end of the block
+        assert advisory_held(other, pid) == []
+        with pytest.raises(LookupError), pglock.sqlalchemy.locked_session(engine, name) as session:
+            session.execute(insert, {"v": 3})
+            raise LookupError
+        rows = other.execute(sql.SQL("SELECT v FROM {} ORDER BY v").format(sql.Identifier(table)))
+        assert rows.fetchall() == [(1,), (2,)]
+        assert checkout_pid(engine) == pid
+    finally:
+        other.execute(sql.SQL("DROP TABLE {}").format(sql.Identifier(table)))
+
+
+def test_pg_lock_on_an_engine_bound_session_ends_at_commit(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    """Control for locked_session: a Session bound to the engine gives its connection back at
+    commit, and the hook releases the lock (the handle then reports it lost)."""
+    engine = make_engine()
+    with Session(engine) as session:
+        lock = pglock.pg_lock(session, name)
+        assert lock.acquire()
+        pid = pid_of(session)
+        session.commit()
+        assert advisory_held(other, pid) == []
+        with pytest.raises(pglock.LockLost):
+            lock.release()
+
+
+def test_locked_session_contention_and_bad_input(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    engine = make_engine()
+    with pglock.pg_lock(other, name), pytest.raises(
+        pglock.LockNotAcquired
+    ), pglock.sqlalchemy.locked_session(engine, name, timeout=0):
+        pytest.fail("the body ran without the lock")
+    with pytest.raises(TypeError):
+        pglock.sqlalchemy.locked_session(engine, name, session_factory=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        pglock.sqlalchemy.locked_session("engine", name)  # type: ignore[arg-type]
