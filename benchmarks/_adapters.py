@@ -66,6 +66,10 @@ class Adapter:
     def teardown(self, ctx: Context) -> None:
         pass
 
+    def extra_handoffs(self, ctx: Context, rounds: int) -> dict[str, dict[str, Any]]:
+        """More handoff rows for workload C (leases add a waiter in another process)."""
+        return {}
+
 
 # --- raw psycopg: the floor -------------------------------------------------------------------
 

@@ -50,15 +50,16 @@ class Settings:
     rows_large: int
     acquire_blocks: int
     acquires_per_block: int
-    # F: waiters on one lease
+    # F: waiters on one lease (in this process; and spread over that many processes)
     waiters: int
+    waiter_procs: int
 
     @classmethod
     def full(cls) -> Settings:
         return cls(
             quick=False,
-            blocks=30,
-            cycles_per_block=100,
+            blocks=60,
+            cycles_per_block=50,
             threads=8,
             seconds=1.5,
             reps=3,
@@ -72,6 +73,7 @@ class Settings:
             acquire_blocks=10,
             acquires_per_block=50,
             waiters=50,
+            waiter_procs=10,
         )
 
     @classmethod
@@ -93,6 +95,7 @@ class Settings:
             acquire_blocks=2,
             acquires_per_block=5,
             waiters=4,
+            waiter_procs=2,
         )
 
 

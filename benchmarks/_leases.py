@@ -11,11 +11,16 @@ trip psycopg sends, per thread), which is exact and needs no server setting.
 from __future__ import annotations
 
 import contextlib
+import json
+import queue
+import random
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -109,6 +114,16 @@ class Lease(Adapter):
     def client(self, ctx: Context) -> Client:
         return _LeaseClient(ctx, **self.options)
 
+    def extra_handoffs(self, ctx: Context, rounds: int) -> dict[str, dict[str, Any]]:
+        """The handoff to a waiter in another process (the same-process one is local)."""
+        key = f"{self.key}-xproc"
+        try:
+            r = handoff_cross_process(ctx, rounds, durable=self.options.get("durable", True))
+        except Exception as exc:
+            r = {"errors": [repr(exc)]}
+        r.update(label=f"{self.label}, waiter in another process", group=self.group, polls=False)
+        return {key: r}
+
 
 def lease_adapters() -> list[Adapter]:
     """The lease adapter, plus a non-durable variant if pglock documents one."""
@@ -119,6 +134,7 @@ def lease_adapters() -> list[Adapter]:
     if "durable" in params:
         fast = Lease(durable=False)
         fast.key, fast.label = "lease-nondurable", "pglock.lease (durable=False)"
+        out[0].label = "pglock.lease (durable)"
         out.append(fast)
     return out
 
@@ -143,7 +159,12 @@ def keepalive(ctx: Context) -> dict[str, Any]:
             ]
             out["acquire_all_s"] = rnd(time.perf_counter() - t0, 2)
             time.sleep(min(ttl / 2, 2.0))  # let the keepalive reach its steady rhythm
-            background = [t for t in threading.enumerate() if t.ident not in before]
+            # pglock's threads: those started since, and any keepalive started earlier.
+            background = [
+                t
+                for t in threading.enumerate()
+                if t.ident not in before or "keepalive" in t.name.lower()
+            ]
             with StatementCounter() as counter:
                 cpu0, proc0 = thread_cpu_seconds(), time.process_time()
                 start = time.perf_counter()
@@ -326,6 +347,18 @@ def workload_e(ctx: Context) -> dict[str, Any]:
 
 
 def workload_f(ctx: Context) -> dict[str, Any]:
+    """F in one process (waiters queue locally) and spread over processes."""
+    out: dict[str, Any] = {}
+    for part, fn in (("one_process", crowd_one_process), ("processes", crowd_cross_process)):
+        try:
+            out[part] = fn(ctx)
+        except Exception as exc:
+            out[part] = {"errors": [repr(exc)]}
+            ctx.note(f"F/{part} failed: {exc!r}")
+    return out
+
+
+def crowd_one_process(ctx: Context) -> dict[str, Any]:
     """``settings.waiters`` threads block on one lease held by this thread; the holder releases
     and the lease passes from waiter to waiter. Statements per handoff = every round trip the
     process sends from the first release to the last release, divided by the handoffs."""
@@ -355,12 +388,15 @@ def workload_f(ctx: Context) -> dict[str, Any]:
             for t in threads:
                 t.start()
             entered.wait()
-            # Every waiter has tried once (and now waits), then a moment to settle.
-            names = {t.name for t in threads}
+            # Every waiter has called pglock.lease; wait until the process has gone quiet.
+            quiet_since, last = time.monotonic(), counter.total
             deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and not names <= set(counter.snapshot()):
+            while time.monotonic() < deadline:
                 time.sleep(0.02)
-            time.sleep(0.2)
+                if counter.total != last:
+                    quiet_since, last = time.monotonic(), counter.total
+                elif time.monotonic() - quiet_since >= 0.3:
+                    break
             waiting = counter.total
             start = counter.total
             t0 = time.perf_counter()
@@ -380,5 +416,143 @@ def workload_f(ctx: Context) -> dict[str, Any]:
         "statements_per_handoff": rnd(statements / handoffs, 2) if handoffs else None,
         "seconds": rnd(elapsed, 3),
         "handoffs_per_s": rnd(handoffs / elapsed, 1) if elapsed > 0 else None,
+        **({"errors": errors} if errors else {}),
+    }
+
+
+# --- waiters in other processes (C and F) ---------------------------------------------------------
+
+
+class _Child:
+    """A ``benchmarks._lease_waiter`` process, with line reads that time out."""
+
+    def __init__(self, ctx: Context, *args: str) -> None:
+        self._err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks._lease_waiter",
+                *args,
+                *("--dsn", ctx.scratch_dsn, "--app", ctx.app_name),
+            ],
+            cwd=Path(__file__).resolve().parents[1],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name="bench-child-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line.strip())
+        self._lines.put(None)
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def readline(self, timeout: float) -> str:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no answer from the lease waiter in {timeout} s") from None
+        if line is None:
+            raise RuntimeError(f"the lease waiter ended: {self.stderr()}")
+        return line
+
+    def stderr(self) -> str:
+        self._err.seek(0)
+        return self._err.read().decode(errors="replace")[-500:]
+
+    def close(self, timeout: float = 30) -> None:
+        with contextlib.suppress(Exception):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self._err.close()
+
+
+def handoff_cross_process(ctx: Context, rounds: int, *, durable: bool) -> dict[str, Any]:
+    """C for leases with the waiter in another process: this process holds and releases; the
+    child, blocked in pglock.lease, reports the perf_counter time it got the lease."""
+    name = ctx.lock_name("C", "lease-xproc")
+    pool = make_pool(ctx)
+    child = _Child(ctx, "handoff", "--name", name, *([] if durable else ["--nondurable"]))
+    ms: list[float] = []
+    try:
+        for r in range(rounds + 1):  # the first round warms the child up and is not counted
+            lease = _pglock.lease(pool, name, ttl=30, durable=durable)
+            lease.__enter__()
+            try:
+                child.send("go")
+                if child.readline(60) != "waiting":
+                    raise RuntimeError("unexpected answer from the lease waiter")
+                time.sleep(random.uniform(0.03, 0.08))  # it tries once, then waits
+                t0 = time.perf_counter()
+            finally:
+                lease.__exit__(None, None, None)
+            t1 = float(child.readline(60))
+            if r:
+                ms.append((t1 - t0) * 1000)
+    finally:
+        child.close()
+        pool.close()
+    return {
+        "handoffs": len(ms),
+        "p50_ms": rnd(median(ms), 3),
+        "p99_ms": rnd(percentile(ms, 99), 3),
+        "mean_ms": rnd(sum(ms) / len(ms), 3) if ms else None,
+    }
+
+
+def crowd_cross_process(ctx: Context) -> dict[str, Any]:
+    """F with the waiters spread over ``waiter_procs`` processes: only the database tells them
+    of a release. Statements = round trips every process sent from the release on."""
+    s = ctx.settings
+    procs = max(1, s.waiter_procs)
+    per = max(1, s.waiters // procs)
+    name = ctx.lock_name("F", "lease-xproc")
+    pool = make_pool(ctx)
+    children: list[_Child] = []
+    try:
+        holder = _pglock.lease(pool, name, ttl=30)
+        holder.__enter__()
+        try:
+            children = [
+                _Child(ctx, "crowd", "--name", name, "--threads", str(per)) for _ in range(procs)
+            ]
+            for c in children:
+                if c.readline(90) != "ready":
+                    raise RuntimeError("unexpected answer from a lease waiter")
+            time.sleep(0.3)
+        finally:
+            with StatementCounter() as mine:
+                t0 = time.perf_counter()
+                holder.__exit__(None, None, None)
+        reports = [json.loads(c.readline(180)) for c in children]
+        elapsed = max((t for r in reports for t in r["got"]), default=t0) - t0
+    finally:
+        for c in children:
+            c.close()
+        pool.close()
+    handoffs = sum(len(r["got"]) for r in reports)
+    statements = mine.total + sum(1 for r in reports for t in r["stamps"] if t >= t0)
+    errors = [e for r in reports for e in r["errors"]]
+    return {
+        "waiters": procs * per,
+        "processes": procs,
+        "handoffs": handoffs,
+        "statements": statements,
+        "statements_per_handoff": rnd(statements / handoffs, 2) if handoffs else None,
+        "seconds": rnd(elapsed, 3),
         **({"errors": errors} if errors else {}),
     }

@@ -15,7 +15,7 @@ import pglock
 
 from ._adapters import sha256_key
 from ._common import Context, rnd
-from ._workloads import alternate
+from ._workloads import alternate, count_round_trips
 
 
 def missing() -> str | None:
@@ -92,17 +92,22 @@ def workload_g(ctx: Context) -> dict[str, Any]:
             "checkout+reset_connection": checkout(pools["reset"]),
         }
         res = alternate(cycles, blocks=s.blocks, per_block=s.cycles_per_block, floor="checkout+raw")
+        for key, f in cycles.items():
+            if "error" not in res[key]:
+                res[key]["round_trips"] = count_round_trips(f)
     out["cycles"] = res
     floor = "checkout+raw"
     out["floor"] = floor
-    lock, raw_c = res.get("pool_lock", {}), res.get(floor, {})
-    if lock.get("p50_us") and raw_c.get("p50_us"):
-        out["pool_lock_ratio"] = rnd(lock["p50_us"] / raw_c["p50_us"], 3)
-    lock_tx, raw_tx = res.get("pool_lock (tx pool)", {}), res.get("checkout+raw (tx pool)", {})
-    if lock_tx.get("p50_us") and raw_tx.get("p50_us"):
-        out["pool_lock_ratio_tx_pool"] = rnd(lock_tx["p50_us"] / raw_tx["p50_us"], 3)
+
+    def rel(a: str, b: str) -> float | None:
+        ra, rb = res.get(a, {}).get("ratio"), res.get(b, {}).get("ratio")
+        return rnd(ra / rb, 3) if ra and rb else None
+
+    out["pool_lock_ratio"] = res.get("pool_lock", {}).get("ratio")
+    out["pool_lock_ratio_tx_pool"] = rel("pool_lock (tx pool)", "checkout+raw (tx pool)")
     plain, reset = res.get("checkout", {}), res.get("checkout+reset_connection", {})
     if plain.get("p50_us") and reset.get("p50_us"):
         out["reset_cost_us"] = rnd(reset["p50_us"] - plain["p50_us"], 1)
-        out["reset_ratio"] = rnd(reset["p50_us"] / plain["p50_us"], 3)
+        out["reset_cost_cpu_us"] = rnd(reset["cpu_us"] - plain["cpu_us"], 1)
+        out["reset_round_trips"] = rnd(reset["round_trips"] - plain["round_trips"], 2)
     return out

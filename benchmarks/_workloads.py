@@ -21,6 +21,7 @@ from . import _adapters
 from ._adapters import Adapter, Client
 from ._common import (
     Context,
+    StatementCounter,
     median,
     percentile,
     rnd,
@@ -143,20 +144,27 @@ def _cycle(client: Client, name: str) -> Callable[[], None]:
     return run
 
 
-def round_trips_per_cycle(client: Client, name: str, n: int = 5) -> float | None:
-    """Exact round trips per cycle from libpq's protocol trace (None if the client hides its
-    connections)."""
-    conns = client.conns()
-    if not conns:
-        return None
+def round_trips_per_cycle(client: Client, name: str, n: int = 5) -> float:
+    """Round trips per cycle: exact from libpq's protocol trace when the client shows its
+    connections, else counted at psycopg's execute/command calls (connections a library
+    opens itself, as pals does through SQLAlchemy)."""
     for _ in range(8):  # warm: probes, and psycopg prepares a statement at its 5th use
         client.acquire(name)
         client.release()
-    with trace_round_trips(conns) as count:
+    return count_round_trips(lambda: (client.acquire(name), client.release()), n, client.conns())
+
+
+def count_round_trips(f: Callable[[], object], n: int = 5, conns: Sequence[Any] = ()) -> float:
+    """Round trips per call of ``f`` (see :func:`round_trips_per_cycle`)."""
+    if conns:
+        with trace_round_trips(conns) as count:
+            for _ in range(n):
+                f()
+        return count() / n
+    with StatementCounter() as counter:
         for _ in range(n):
-            client.acquire(name)
-            client.release()
-    return count() / n
+            f()
+    return counter.total / n
 
 
 # --- A -------------------------------------------------------------------------------------------
@@ -174,7 +182,8 @@ def workload_a(ctx: Context, adapters: Sequence[Adapter]) -> dict[str, Any]:
             name = ctx.lock_name("A", a.key)
             cycles[a.key] = _cycle(client, name)
             try:
-                rts[a.key] = round_trips_per_cycle(client, name)
+                if a.group != "redis":
+                    rts[a.key] = round_trips_per_cycle(client, name)
             except Exception as exc:
                 rts[a.key] = None
                 ctx.note(f"A: round-trip count for {a.key} failed: {exc!r}")
@@ -486,6 +495,7 @@ def workload_c(ctx: Context, adapters: Sequence[Adapter]) -> dict[str, Any]:
             res[a.key] = handoff(ctx, a, rounds)
         except Exception as exc:
             res[a.key] = {"label": a.label, "group": a.group, "errors": [repr(exc)]}
+        res.update(a.extra_handoffs(ctx, rounds))
     floor = (res.get("raw") or {}).get("p50_ms")
     for r in res.values():
         if floor and r.get("p50_ms"):

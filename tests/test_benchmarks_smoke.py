@@ -84,6 +84,13 @@ def test_quick_run_writes_results(pg_dsn: str, app_name: str, tmp_path: Path) ->
         assert entry["handoffs"] > 0 and entry["p50_ms"] > 0, key
     for tag in "EFG":
         assert "skipped" in w[tag] or "errors" not in w[tag], (tag, w[tag])
+    if "skipped" not in w["F"]:  # every waiter got the lease, in one process and across
+        for part in ("one_process", "processes"):
+            assert not w["F"][part].get("errors"), w["F"][part]
+            assert w["F"][part]["handoffs"] == w["F"][part]["waiters"] > 0, w["F"][part]
+    if "skipped" not in w["E"]:
+        assert w["E"]["keepalive"]["leases_lost"] == 0, w["E"]
+        assert w["E"]["acquire_vs_rows"]["samples"] > 0, w["E"]
 
     assert {t["status"] for t in result["targets"]} <= STATUSES
     assert {t["id"] for t in result["targets"]} >= {"pg_lock", "multi_key", "pool_lock"}
