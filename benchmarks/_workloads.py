@@ -151,7 +151,7 @@ def round_trips_per_cycle(client: Client, name: str, n: int = 5) -> float:
     for _ in range(8):  # warm: probes, and psycopg prepares a statement at its 5th use
         client.acquire(name)
         client.release()
-    return count_round_trips(lambda: (client.acquire(name), client.release()), n, client.conns())
+    return count_round_trips(_cycle(client, name), n, client.conns())
 
 
 def count_round_trips(f: Callable[[], object], n: int = 5, conns: Sequence[Any] = ()) -> float:
