@@ -7,7 +7,7 @@ and the name -> key contract (:func:`key`). See the README for which lock fits w
 from __future__ import annotations
 
 from ._advisory import PgLock, pg_lock, try_xact_lock, xact_lock
-from ._inspect import AdvisoryLock, advisory_locks
+from ._inspect import AdvisoryLock, SemaphoreHolder, SemaphoreInfo, advisory_locks, semaphores
 from ._keys import MAX_NAME_BYTES, key
 from ._leader import LeaderElection, leader
 from ._lease import Lease, LeaseInfo, lease, lease_info, list_leases
@@ -44,6 +44,8 @@ __all__ = [
     "PoolLock",
     "RWLock",
     "SchemaNotInstalled",
+    "SemaphoreHolder",
+    "SemaphoreInfo",
     "Singleton",
     "UnsupportedServer",
     "__version__",
@@ -57,6 +59,7 @@ __all__ = [
     "pool_lock",
     "reset_connection",
     "rwlock",
+    "semaphores",
     "singleton",
     "try_xact_lock",
     "xact_lock",
@@ -79,6 +82,8 @@ for _cls in (
     PoolLock,
     RWLock,
     SchemaNotInstalled,
+    SemaphoreHolder,
+    SemaphoreInfo,
     Singleton,
     UnsupportedServer,
 ):

@@ -294,8 +294,9 @@ class ConnState:
         self.cond = threading.Condition(threading.Lock())
         self.holds: dict[int, KeyHold] = {}
         self.probed = False
-        #: The name registry is installed and writable (learned by the probe).
-        self.registry = False
+        #: The schema of the name registry, when it is installed and writable (learned by the
+        #: probe); None otherwise.
+        self.registry: str | None = None
         self.backend_pid: int | None = None
         #: Session locks whose release could not be sent (failed transaction at exit).
         self.deferred: list[tuple[int, bool]] = []
@@ -351,7 +352,7 @@ def probe(conn: psycopg.Connection[Any], state: ConnState) -> None:
             "primary"
         )
     state.backend_pid = pid
-    state.registry = bool(registry)
+    state.registry = registry
     # PgBouncer (any mode) and other multiplexing poolers answer the startup with a cancel key
     # of their own, so the pid the client was told differs from the server's. Comparing them
     # costs nothing per lock: it is checked once, here.

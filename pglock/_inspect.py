@@ -28,9 +28,17 @@ import psycopg
 
 from . import _conn, _sql
 from ._conn import IDLE
-from ._keys import normalize_names
+from ._keys import normalize_names, validate_name
+from ._schema import DEFAULT_SCHEMA, validate_schema
+from .errors import SchemaNotInstalled
 
-__all__ = ["AdvisoryLock", "advisory_locks"]
+__all__ = [
+    "AdvisoryLock",
+    "SemaphoreHolder",
+    "SemaphoreInfo",
+    "advisory_locks",
+    "semaphores",
+]
 
 _MODES = {"ExclusiveLock": "exclusive", "ShareLock": "shared"}
 
@@ -124,7 +132,8 @@ def advisory_locks(
 ) -> list[AdvisoryLock]:
     """Who holds and who waits for advisory locks in ``conn``'s database.
 
-    Holders come before waiters for each lock; locks are ordered by key. Reading ``pg_locks``
+    Locks are ordered by name (keys without a name last); for each lock, holders come first,
+    then waiters in the order they started waiting. Reading ``pg_locks``
     takes a snapshot of the server's lock table: cheap, but not for a tight loop.
 
     :param conn: a psycopg ``Connection`` (or a SQLAlchemy ``Connection``/``Session``); an idle
@@ -145,13 +154,24 @@ def advisory_locks(
     waitstart = c.info.server_version >= 140000
 
     def query() -> list[tuple[Any, ...]]:
-        with_names = bool(_conn.run(c, _sql.NAMES_READABLE)[0][0])
+        names_schema = _conn.run(c, _sql.NAMES_READABLE)[0][0]
         return _conn.run(
-            c, _sql.advisory_locks(keys, with_names=with_names, waitstart=waitstart)
+            c, _sql.advisory_locks(keys, names_schema=names_schema, waitstart=waitstart)
         )
 
-    rows = _read(c, query)
-    return [_advisory_lock(row) for row in rows]
+    locks = [_advisory_lock(row) for row in _read(c, query)]
+    locks.sort(
+        key=lambda lk: (
+            lk.name is None,
+            lk.name or "",
+            lk.key or 0,
+            lk.key_pair or (0, 0),
+            not lk.granted,
+            lk.waiting_since or lk.observed_at,
+            lk.pid or 0,
+        )
+    )
+    return locks
 
 
 def _read(conn: psycopg.Connection[Any], fn: Any) -> Any:
@@ -239,3 +259,87 @@ def _advisory_lock(row: tuple[Any, ...]) -> AdvisoryLock:
         blocked_by=tuple(blocking or ()),
         observed_at=now,
     )
+
+
+# --- semaphores -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SemaphoreHolder:
+    """One live holder of a semaphore's permits.
+
+    Instances are immutable snapshots and can be shared between threads.
+    """
+
+    #: The holder id of this acquisition.
+    holder: str
+    #: How many permits it holds.
+    permits: int
+    acquired_at: datetime
+    expires_at: datetime
+    #: Seconds left before the permits expire (unless renewed), on the database clock.
+    expires_in: float
+    #: The JSON metadata stored with the permits, or None.
+    metadata: Any
+
+
+@dataclass(frozen=True)
+class SemaphoreInfo:
+    """A semaphore as the database sees it: its stored limit and its live holders.
+
+    Instances are immutable snapshots and can be shared between threads.
+    """
+
+    name: str
+    #: The limit stored by the first acquire.
+    limit: int
+    #: The live permits held now (the sum over :attr:`holders`).
+    held: int
+    #: True when an acquire was refused and asked to be woken on release (someone waits, or
+    #: waited recently).
+    waiters: bool
+    holders: tuple[SemaphoreHolder, ...]
+
+
+def semaphores(
+    conn: object, name: str | None = None, *, schema: str = DEFAULT_SCHEMA
+) -> list[SemaphoreInfo]:
+    """Every semaphore (or the one called ``name``) with its limit and live holders, by name.
+
+    :param conn: a psycopg ``Connection`` (or a SQLAlchemy ``Connection``/``Session``); an idle
+        connection is left idle.
+    :param schema: the pglock schema (default ``pglock``).
+    :raises pglock.SchemaNotInstalled: the database has no semaphore tables in ``schema``.
+    :raises TypeError, ValueError: bad arguments, before any SQL.
+
+    Example::
+
+        for sem in pglock.semaphores(conn):
+            print(sem.name, f"{sem.held}/{sem.limit}", [h.holder for h in sem.holders])
+    """
+    if name is not None:
+        validate_name(name)
+    schema = validate_schema(schema)
+    target = _conn.resolve(conn)
+    c = target.conn
+
+    def query() -> list[tuple[Any, ...]] | None:
+        present = _conn.run(c, _sql.relations_exist(schema, ["semaphore", "semaphore_permit"]))
+        if not present[0][0]:
+            return None
+        return _conn.run(c, _sql.semaphores(schema, name))
+
+    rows = _read(c, query)
+    if rows is None:
+        raise SchemaNotInstalled(schema)
+    out: dict[str, tuple[int, bool, list[SemaphoreHolder]]] = {}
+    for sem, limit, waiters, holder, permits, acquired, expires, metadata, expires_in in rows:
+        entry = out.setdefault(sem, (limit, waiters, []))
+        if holder is not None:
+            entry[2].append(
+                SemaphoreHolder(holder, permits, acquired, expires, max(0.0, expires_in), metadata)
+            )
+    return [
+        SemaphoreInfo(sem, limit, sum(h.permits for h in hs), waiters, tuple(hs))
+        for sem, (limit, waiters, hs) in out.items()
+    ]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -40,6 +41,17 @@ _seen: OrderedDict[tuple[tuple[Any, ...], int], None] = OrderedDict()
 _lock = threading.Lock()
 
 
+@dataclass(frozen=True)
+class Registration:
+    """Names to record with a lock statement; false when there is nothing to send."""
+
+    schema: str | None
+    pairs: tuple[tuple[int, str], ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.pairs)
+
+
 def _database(conn: psycopg.Connection[Any]) -> tuple[Any, ...]:
     info = conn.info
     return (info.host, info.port, info.dbname)
@@ -47,28 +59,33 @@ def _database(conn: psycopg.Connection[Any]) -> tuple[Any, ...]:
 
 def pending(
     conn: psycopg.Connection[Any], state: ConnState, keys: Sequence[int], names: Sequence[str]
-) -> list[tuple[int, str]]:
+) -> Registration:
     """The ``(key, name)`` pairs this process has not registered yet in ``conn``'s database
     (none when the registry is not installed or not writable there)."""
-    if not state.registry:
-        return []
+    schema = state.registry
+    if schema is None:
+        return Registration(None, ())
     db = _database(conn)
     with _lock:
-        return [(k, n) for k, n in zip(keys, names, strict=True) if (db, k) not in _seen]
+        pairs = tuple(
+            (k, n) for k, n in zip(keys, names, strict=True) if (db, k) not in _seen
+        )
+    return Registration(schema, pairs)
 
 
-def statement(pairs: Sequence[tuple[int, str]]) -> sql.Composed:
-    """The registration statement for ``pairs`` (see :func:`pglock._sql.register_names`)."""
-    return _sql.register_names(pairs)
+def statement(registration: Registration) -> sql.Composed:
+    """The registration statement (see :func:`pglock._sql.register_names`)."""
+    assert registration.schema is not None
+    return _sql.register_names(registration.schema, registration.pairs)
 
 
-def mark(conn: psycopg.Connection[Any], pairs: Sequence[tuple[int, str]]) -> None:
-    """Remember that ``pairs`` were sent for ``conn``'s database."""
-    if not pairs:
+def mark(conn: psycopg.Connection[Any], registration: Registration) -> None:
+    """Remember that ``registration`` was sent for ``conn``'s database."""
+    if not registration:
         return
     db = _database(conn)
     with _lock:
-        for k, _ in pairs:
+        for k, _ in registration.pairs:
             _seen[(db, k)] = None
             _seen.move_to_end((db, k))
         while len(_seen) > MAX_CACHED:

@@ -37,32 +37,37 @@ UNLOCK_ONE = {
     True: "SELECT pg_catalog.pg_advisory_unlock_shared(%s)",
 }
 
-#: The name registry (see :mod:`pglock._registry`): key -> the name pglock took it for.
-NAMES_SCHEMA = "pglock"
+#: The name registry (see :mod:`pglock._registry`): key -> the name pglock took it for. The
+#: table is found by its name and the start of its comment, in any schema (``pglock`` first).
 NAMES_TABLE = "lock_names"
+NAMES_MARKER = "pglock name registry"
+DEFAULT_SCHEMA = "pglock"
 
 
-def _names_privilege(privilege: str) -> sql.Composed:
-    """True when the registry table exists and the current role may use it this way (a
-    catalog lookup: ``to_regclass`` would raise without USAGE on the schema)."""
+def _names_schema(privilege: str) -> sql.Composed:
+    """The schema of the name registry when it exists and the current role may use it this
+    way, else NULL. A catalog lookup: ``to_regclass`` would raise without USAGE on the schema."""
     return sql.SQL(
-        "COALESCE((SELECT pg_catalog.has_schema_privilege(n.oid, 'USAGE')"
-        " AND pg_catalog.has_table_privilege(c.oid, {privilege})"
-        " FROM pg_catalog.pg_class c"
+        "(SELECT n.nspname::text FROM pg_catalog.pg_class c"
         " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE n.nspname = {schema} AND c.relname = {table}), false)"
+        " WHERE c.relname = {table} AND c.relkind = 'r'"
+        " AND pg_catalog.starts_with(pg_catalog.obj_description(c.oid, 'pg_class'), {marker})"
+        " AND pg_catalog.has_schema_privilege(n.oid, 'USAGE')"
+        " AND pg_catalog.has_table_privilege(c.oid, {privilege})"
+        " ORDER BY n.nspname <> {default}, n.nspname LIMIT 1)"
     ).format(
-        privilege=sql.Literal(privilege),
-        schema=sql.Literal(NAMES_SCHEMA),
         table=sql.Literal(NAMES_TABLE),
+        marker=sql.Literal(NAMES_MARKER),
+        privilege=sql.Literal(privilege),
+        default=sql.Literal(DEFAULT_SCHEMA),
     )
 
 
 PROBE = sql.SQL(
     "SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.pg_backend_pid(), {registry}"
-).format(registry=_names_privilege("INSERT"))
+).format(registry=_names_schema("INSERT"))
 
-NAMES_READABLE = sql.SQL("SELECT {}").format(_names_privilege("SELECT"))
+NAMES_READABLE = sql.SQL("SELECT {}").format(_names_schema("SELECT"))
 
 # Never fails and never waits more than 1 ms: a concurrent uncommitted registration of the same
 # key makes ON CONFLICT wait for that transaction, so lock_timeout is lowered for the INSERT
@@ -82,7 +87,7 @@ _REGISTER = (
 )
 
 
-def register_names(pairs: Sequence[tuple[int, str]]) -> sql.Composed:
+def register_names(schema: str, pairs: Sequence[tuple[int, str]]) -> sql.Composed:
     """Record ``(key, name)`` pairs in the name registry; never raises, returns no rows."""
     values = sql.SQL(", ").join(
         sql.SQL("({}, pg_catalog.convert_from(pg_catalog.decode({}, 'hex'), 'UTF8'))").format(
@@ -91,7 +96,7 @@ def register_names(pairs: Sequence[tuple[int, str]]) -> sql.Composed:
         for k, n in pairs
     )
     return sql.SQL(_REGISTER).format(
-        table=sql.Identifier(NAMES_SCHEMA, NAMES_TABLE), values=values
+        table=sql.Identifier(schema, NAMES_TABLE), values=values
     )
 
 # Identifies the current transaction (its start time): transaction locks taken in it by one
@@ -100,16 +105,48 @@ TRANSACTION_START = sql.SQL("SELECT pg_catalog.transaction_timestamp()")
 
 # --- introspection (pglock._inspect) ---------------------------------------------------
 
+
+def relations_exist(schema: str, relations: Sequence[str]) -> sql.Composed:
+    """One row: are all ``relations`` in ``schema`` (and readable)? A catalog lookup that works
+    without USAGE on the schema."""
+    return sql.SQL(
+        "SELECT count(*) = {n} FROM pg_catalog.pg_class c"
+        " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+        " WHERE n.nspname = {schema} AND c.relname = ANY({relations})"
+        " AND pg_catalog.has_schema_privilege(n.oid, 'USAGE')"
+        " AND pg_catalog.has_table_privilege(c.oid, 'SELECT')"
+    ).format(
+        n=sql.Literal(len(relations)),
+        schema=sql.Literal(schema),
+        relations=sql.Literal(list(relations)),
+    )
+
+
+def semaphores(schema: str, name: str | None) -> sql.Composed:
+    """Every semaphore (or one) with its live permit holders: one row per holder, or one row
+    with NULL holder columns for a semaphore nobody holds."""
+    where = sql.SQL("") if name is None else sql.SQL(" WHERE m.name = {}").format(sql.Literal(name))
+    return sql.SQL(
+        "SELECT m.name, m.max_permits, m.waiters, p.holder, p.permits, p.acquired_at,"
+        " p.expires_at, p.metadata,"
+        " extract(epoch FROM p.expires_at - pg_catalog.clock_timestamp())::double precision"
+        " FROM {s}.semaphore m"
+        " LEFT JOIN {s}.semaphore_permit p"
+        " ON p.semaphore = m.name AND p.expires_at > pg_catalog.clock_timestamp()"
+        "{where} ORDER BY m.name, p.acquired_at, p.holder"
+    ).format(s=sql.Identifier(schema), where=where)
+
+
 _ADVISORY_KEY = sql.SQL("((l.classid::bigint << 32) | l.objid::bigint)")
 
 
 def advisory_locks(
-    keys: Sequence[int] | None, *, with_names: bool, waitstart: bool
+    keys: Sequence[int] | None, *, names_schema: str | None, waitstart: bool
 ) -> sql.Composed:
     """Advisory locks in the current database: holders and waiters, with their sessions.
 
-    ``with_names`` joins the name registry; ``waitstart`` reads ``pg_locks.waitstart``
-    (PostgreSQL 14+)."""
+    ``names_schema`` is where the name registry is (None: no names); ``waitstart`` reads
+    ``pg_locks.waitstart`` (PostgreSQL 14+)."""
     key_filter: sql.Composable = sql.SQL("")
     if keys is not None:
         key_filter = sql.SQL(" AND l.objsubid = 1 AND {} = ANY({})").format(
@@ -117,9 +154,9 @@ def advisory_locks(
         )
     name = (
         sql.SQL("(SELECT r.name FROM {} r WHERE l.objsubid = 1 AND r.key = {})").format(
-            sql.Identifier(NAMES_SCHEMA, NAMES_TABLE), _ADVISORY_KEY
+            sql.Identifier(names_schema, NAMES_TABLE), _ADVISORY_KEY
         )
-        if with_names
+        if names_schema is not None
         else sql.SQL("NULL::text")
     )
     return sql.SQL(

@@ -6,9 +6,22 @@ Subcommands:
     Install or upgrade the pglock schema (lease table, token sequence, functions). Idempotent
     and safe to run concurrently. ``--dsn`` defaults to the ``PGLOCK_DSN`` environment variable.
 
+``pglock status --dsn DSN [NAME ...] [--json] [--watch [SECONDS]] [--schema S] [-v]``
+    Who holds and who waits for advisory locks (by name where pglock took them), and the live
+    leases and semaphores. ``--json`` prints one JSON object per refresh; ``--watch`` refreshes
+    every SECONDS (default 2) until Ctrl-C.
+
+``pglock demo [--dsn DSN] [--workers N] [--jobs N]``
+    Worker processes race for jobs with pglock and without; an embedded Postgres
+    (``pglock[embedded]``) is used unless ``--dsn`` is given.
+
+``pglock --version``
+    The versions of pglock, Python and psycopg.
+
 Exit codes:
 
-* ``0``: success (also when the schema was already up to date);
+* ``0``: success (also when the schema was already up to date, and a ``status --watch`` ended
+  with Ctrl-C);
 * ``1``: the operation failed (server unreachable, permission denied, SQL error);
 * ``2``: bad usage (unknown option, missing DSN, invalid schema name);
 * ``130``: interrupted (Ctrl-C).
@@ -22,10 +35,14 @@ Each subcommand is a ``register_<name>(subparsers)`` function that adds its pars
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from datetime import datetime
+from typing import Any, NoReturn
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -33,6 +50,14 @@ EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 PROG = "pglock"
+
+EXIT_CODES_HELP = """\
+exit codes:
+  0    success (also a --watch ended with Ctrl-C)
+  1    the operation failed: cannot connect, the database refused, the demo failed
+  2    bad usage: unknown option, missing DSN, invalid name or schema
+  130  interrupted (Ctrl-C)
+"""
 
 
 class UsageError(Exception):
@@ -95,18 +120,367 @@ def cmd_install(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --- status ------------------------------------------------------------------------------------
+
+
+def register_status(subparsers: argparse._SubParsersAction[_Parser]) -> None:
+    p = subparsers.add_parser(
+        "status",
+        help="show who holds and who waits for locks, leases and semaphores",
+        description=(
+            "Show the advisory locks of a database (holders and waiters, by name where pglock "
+            "took them, with pid, application, client and how long), and the live leases and "
+            "semaphores of the pglock schema."
+        ),
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("names", nargs="*", metavar="NAME", help="only these lock names")
+    p.add_argument(
+        "--dsn", default=None, help="libpq connection string or URL (default: $PGLOCK_DSN)"
+    )
+    p.add_argument(
+        "--schema", default=None, help="schema of the leases and semaphores (default: pglock)"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON (one object per refresh)")
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        type=_seconds_arg,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="also show each session's current query"
+    )
+    p.set_defaults(func=cmd_status)
+
+
+def _seconds_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (0.1 <= value <= 3600):
+        raise argparse.ArgumentTypeError("the refresh interval must be 0.1 to 3600 seconds")
+    return value
+
+
+def _dsn(args: argparse.Namespace) -> str:
+    dsn: str | None = args.dsn or os.environ.get("PGLOCK_DSN")
+    if not dsn:
+        raise UsageError("no database given: pass --dsn DSN or set PGLOCK_DSN")
+    return dsn
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import psycopg
+
+    from . import _schema
+    from ._keys import normalize_names
+
+    schema = _schema.DEFAULT_SCHEMA if args.schema is None else args.schema
+    try:
+        _schema.validate_schema(schema)
+        names = [n for _, n in normalize_names(args.names)] if args.names else None
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    dsn = _dsn(args)
+    conn = psycopg.connect(
+        dsn, autocommit=True, application_name="pglock status", connect_timeout=10
+    )
+    with conn:
+        if args.watch is None:
+            _print_status(args, status_snapshot(conn, names, schema))
+            return EXIT_OK
+        clear = not args.json and sys.stdout.isatty()
+        try:
+            while True:
+                snap = status_snapshot(conn, names, schema)
+                if clear:
+                    print("\x1b[H\x1b[2J", end="")  # clear the screen, cursor home
+                _print_status(args, snap)
+                time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return EXIT_OK  # Ctrl-C is how a watch ends
+
+
+def _print_status(args: argparse.Namespace, snap: dict[str, Any]) -> None:
+    if args.json:
+        print(json.dumps(snap, default=_json_default), flush=True)
+    else:
+        print(render_status(snap, verbose=args.verbose), flush=True)
+
+
+def _json_default(value: object) -> str:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def status_snapshot(conn: Any, names: list[str] | None, schema: str) -> dict[str, Any]:
+    """What ``pglock status`` shows, as plain data (the ``--json`` document)."""
+    from . import _inspect, _lease
+    from .errors import SchemaNotInstalled
+
+    info = conn.execute(
+        "SELECT pg_catalog.current_database(), pg_catalog.clock_timestamp(),"
+        " pg_catalog.split_part(pg_catalog.current_setting('server_version'), ' ', 1)"
+    ).fetchone()
+    locks = _inspect.advisory_locks(conn, names)
+    doc: dict[str, Any] = {
+        "database": info[0],
+        "server_time": info[1],
+        "server_version": info[2],
+        "schema": schema,
+        "schema_installed": True,
+        "advisory_locks": [_lock_doc(lk) for lk in locks],
+        "leases": [],
+        "semaphores": [],
+    }
+    try:
+        leases = _lease.list_leases(conn, schema=schema)
+    except SchemaNotInstalled:
+        doc["schema_installed"] = False
+        return doc
+    try:
+        sems = _inspect.semaphores(conn, schema=schema)
+    except SchemaNotInstalled:  # installed before the semaphore revision: pglock install
+        sems = []
+    if names is not None:
+        wanted = set(names)
+        leases = [le for le in leases if le.name in wanted]
+        sems = [s for s in sems if s.name in wanted]
+    doc["leases"] = [dataclasses.asdict(le) for le in leases]
+    doc["semaphores"] = [dataclasses.asdict(s) for s in sems]
+    return doc
+
+
+def _lock_doc(lock: Any) -> dict[str, Any]:
+    doc = dataclasses.asdict(lock)
+    doc["key_pair"] = list(lock.key_pair) if lock.key_pair is not None else None
+    doc["blocked_by"] = list(lock.blocked_by)
+    doc["label"] = lock.label
+    doc["held_for"] = lock.held_for
+    doc["waiting_for"] = lock.waiting_for
+    return doc
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    if hours < 48:
+        return f"{hours}h{minutes:02d}m"
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h"
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    return [
+        ("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))).rstrip()
+        for row in [header, *rows]
+    ]
+
+
+def render_status(snap: dict[str, Any], *, verbose: bool = False) -> str:
+    """``pglock status`` as a readable text table."""
+    when = snap["server_time"]
+    lines = [
+        f"pglock status: database {snap['database']!r} (PostgreSQL {snap['server_version']}), "
+        f"{when:%Y-%m-%d %H:%M:%S %Z}".rstrip(),
+        "",
+    ]
+    locks = snap["advisory_locks"]
+    held = sum(1 for lk in locks if lk["granted"])
+    lines.append(f"Advisory locks: {held} held, {len(locks) - held} waiting")
+    bounded = False
+    if locks:
+        rows: list[list[str]] = []
+        queries: list[str | None] = []
+        previous = None
+        for lk in locks:
+            same = lk["label"] == previous
+            previous = lk["label"]
+            client = lk["client_addr"] or ("local" if lk["pid"] else "")
+            if lk["client_addr"] and lk["client_port"]:
+                client = f"{client}:{lk['client_port']}"
+            if lk["granted"]:
+                since = _duration(lk["held_for"])
+                if lk["held_since_basis"] == "session" and since:
+                    since, bounded = "<=" + since, True
+                state = "held"
+            else:
+                since = _duration(lk["waiting_for"])
+                state = "waiting"
+                if lk["blocked_by"]:
+                    state += " for " + ",".join(str(p) for p in lk["blocked_by"])
+            rows.append([
+                "" if same else _cut(lk["label"], 48),
+                lk["mode"],
+                state,
+                str(lk["pid"] or "-"),
+                _cut(lk["application_name"] or "", 28),
+                client,
+                since,
+            ])
+            queries.append(lk["query"])
+        table = _table(["LOCK", "MODE", "STATE", "PID", "APPLICATION", "CLIENT", "FOR"], rows)
+        lines.append(table[0])
+        for line, query in zip(table[1:], queries, strict=True):
+            lines.append(line)
+            if verbose and query:
+                lines.append("      query: " + _cut(" ".join(query.split()), 100))
+        if bounded:
+            lines.append(
+                "  <= : at most this long (the session ran other statements since it took the "
+                "lock; this is the session's age)"
+            )
+        if any(lk["name"] is None and lk["key"] is not None for lk in locks):
+            lines.append(
+                "  (a key without a name was not taken by pglock, or the name registry of "
+                "'pglock install' is missing in this database)"
+            )
+    lines.append("")
+    if not snap["schema_installed"]:
+        lines.append(
+            f"Leases and semaphores: the pglock schema {snap['schema']!r} is not installed "
+            "(pglock install --dsn ...)"
+        )
+        return "\n".join(lines)
+    leases = snap["leases"]
+    lines.append(f"Leases: {len(leases)} live")
+    if leases:
+        lines += _table(
+            ["NAME", "HOLDER", "TOKEN", "EXPIRES IN", "METADATA"],
+            [
+                [
+                    _cut(le["name"], 48),
+                    _cut(le["holder"], 32),
+                    str(le["token"]),
+                    _duration(le["expires_in"]),
+                    _cut(json.dumps(le["metadata"]), 40) if le["metadata"] is not None else "",
+                ]
+                for le in leases
+            ],
+        )
+    lines.append("")
+    sems = snap["semaphores"]
+    lines.append(f"Semaphores: {len(sems)}")
+    if sems:
+        rows = []
+        for s in sems:
+            label = f"{s['held']}/{s['limit']}" + (" (waiters)" if s["waiters"] else "")
+            if not s["holders"]:
+                rows.append([_cut(s["name"], 48), label, "", "", "", ""])
+            for i, h in enumerate(s["holders"]):
+                rows.append([
+                    "" if i else _cut(s["name"], 48),
+                    "" if i else label,
+                    _cut(h["holder"], 32),
+                    str(h["permits"]),
+                    _duration(h["expires_in"]),
+                    _cut(json.dumps(h["metadata"]), 40) if h["metadata"] is not None else "",
+                ])
+        lines += _table(["NAME", "PERMITS", "HOLDER", "HOLDS", "EXPIRES IN", "METADATA"], rows)
+    return "\n".join(lines)
+
+
+# --- demo --------------------------------------------------------------------------------------
+
+
+def register_demo(subparsers: argparse._SubParsersAction[_Parser]) -> None:
+    p = subparsers.add_parser(
+        "demo",
+        help="watch worker processes race for jobs with pglock and without",
+        description=(
+            "Worker processes race for a batch of jobs, first guarded by pglock, then "
+            "unguarded, and the summary counts the jobs that ran twice. Without --dsn an "
+            "embedded Postgres (pip install 'pglock[embedded]') is started in a temporary "
+            "directory and removed afterwards; with --dsn the demo works in a throwaway schema "
+            "pglock_demo that it drops at the end."
+        ),
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--dsn",
+        default=None,
+        help="use this server instead of an embedded one (PGLOCK_DSN is not read here)",
+    )
+    p.add_argument(
+        "--workers", type=_count_arg(1, 64), default=4, help="worker processes (default 4)"
+    )
+    p.add_argument(
+        "--jobs", type=_count_arg(1, 100_000), default=200, help="jobs in the batch (default 200)"
+    )
+    p.set_defaults(func=cmd_demo)
+
+
+def _count_arg(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be {low} to {high}")
+        return value
+
+    return parse
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from ._demo import run_demo
+
+    result = run_demo(args.dsn, workers=args.workers, jobs=args.jobs)
+    if result.with_lock.duplicates:
+        print(f"{PROG}: error: the demo saw duplicates with pglock", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
 #: The subcommands, in the order ``--help`` lists them.
-COMMANDS: list[Callable[[argparse._SubParsersAction[_Parser]], None]] = [register_install]
+COMMANDS: list[Callable[[argparse._SubParsersAction[_Parser]], None]] = [
+    register_install,
+    register_status,
+    register_demo,
+]
 
 
 def build_parser() -> _Parser:
+    import platform
+
+    import psycopg
+
     from . import __version__
 
     parser = _Parser(
         prog=PROG,
         description="pglock: distributed locks on Postgres alone.",
+        epilog=EXIT_CODES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"{PROG} {__version__} (Python {platform.python_version()}, "
+        f"psycopg {psycopg.__version__})",
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for register in COMMANDS:
         register(subparsers)

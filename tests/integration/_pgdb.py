@@ -14,20 +14,12 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
-REGISTRY_DDL = """
-CREATE SCHEMA IF NOT EXISTS pglock;
-CREATE TABLE IF NOT EXISTS pglock.lock_names (
-    key bigint PRIMARY KEY,
-    name text NOT NULL,
-    first_seen timestamptz NOT NULL DEFAULT clock_timestamp()
-);
-"""
-
 
 def install_schema(dsn: str) -> None:
     """Install the pglock schema (every shipped revision) into the database at ``dsn``."""
-    with psycopg.connect(dsn, autocommit=True) as c:
-        c.execute(REGISTRY_DDL)
+    from pglock import _schema
+
+    _schema.install(dsn)
 
 
 @contextlib.contextmanager

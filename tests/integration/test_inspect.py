@@ -415,3 +415,27 @@ def test_sqlalchemy_session(reg_dsn: str, app_name: str) -> None:
             session.commit()
     finally:
         engine.dispose()
+
+
+def test_registry_in_a_custom_schema_and_lookalikes_ignored(
+    open_: Connect, pg_dsn: str
+) -> None:
+    from pglock import _schema
+
+    with throwaway_database(pg_dsn, prefix="pglock_custom", install=False) as dsn:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            # A table of the same name that is not pglock's, in a schema that sorts first: never
+            # written, never read.
+            admin.execute("CREATE SCHEMA aaa")
+            admin.execute("CREATE TABLE aaa.lock_names (key bigint PRIMARY KEY, name text)")
+        _schema.install(dsn, schema="locks")
+        c, observer = open_(dsn), open_(dsn)
+        name = uniq()
+        with pglock.pg_lock(c, name):
+            (lk,) = pglock.advisory_locks(observer, name)
+            assert lk.name == name
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            assert admin.execute("SELECT count(*) FROM aaa.lock_names").fetchone() == (0,)
+            assert admin.execute("SELECT name FROM locks.lock_names").fetchall() == [(name,)]
+            c.close()
+            observer.close()
