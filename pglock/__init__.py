@@ -13,6 +13,7 @@ from ._leader import LeaderElection, leader
 from ._lease import Lease, LeaseInfo, lease, lease_info, list_leases
 from ._pool import Locker, PoolLock, pool_lock, reset_connection
 from ._rwlock import RWLock, rwlock
+from ._semaphore import LimitMismatch, Permit, Semaphore, semaphore
 from ._singleton import Singleton, singleton
 from .errors import (
     DeadlockDetected,
@@ -35,15 +36,18 @@ __all__ = [
     "LeaderElection",
     "Lease",
     "LeaseInfo",
+    "LimitMismatch",
     "LockError",
     "LockLost",
     "LockNotAcquired",
     "LockTableFull",
     "Locker",
+    "Permit",
     "PgLock",
     "PoolLock",
     "RWLock",
     "SchemaNotInstalled",
+    "Semaphore",
     "SemaphoreHolder",
     "SemaphoreInfo",
     "Singleton",
@@ -59,6 +63,7 @@ __all__ = [
     "pool_lock",
     "reset_connection",
     "rwlock",
+    "semaphore",
     "semaphores",
     "singleton",
     "try_xact_lock",
@@ -73,15 +78,18 @@ for _cls in (
     LeaderElection,
     Lease,
     LeaseInfo,
+    LimitMismatch,
     LockError,
     LockLost,
     LockNotAcquired,
     LockTableFull,
     Locker,
+    Permit,
     PgLock,
     PoolLock,
     RWLock,
     SchemaNotInstalled,
+    Semaphore,
     SemaphoreHolder,
     SemaphoreInfo,
     Singleton,

@@ -355,6 +355,67 @@ def leader_holds(key: int, pid: int, backend_start: object) -> sql.Composed:
     ).format(pid=sql.Literal(pid), key=sql.Literal(key), start=sql.Literal(backend_start))
 
 
+# Semaphores: the functions live in revision pglock_0002 (0002_semaphores.py). Each call is one
+# simple-query round trip with its values as literals, so the acquire can run in an explicit
+# READ COMMITTED transaction (its row lock and its reads must see the latest commits) whatever
+# the session's default isolation is.
+
+
+def semaphore_acquire(
+    schema: str,
+    name: str,
+    limit: int,
+    holder: str,
+    permits: int,
+    ttl: float,
+    metadata_json: str | None,
+    wait: bool,
+) -> sql.Composed:
+    """One row: granted, held (live permits after the call), retry_in (seconds until the
+    earliest live permit expires, when refused)."""
+    return sql.SQL(
+        "BEGIN ISOLATION LEVEL READ COMMITTED; "
+        "SELECT granted, max_permits, held, retry_in FROM {s}.semaphore_acquire("
+        "{name}::text, {limit}::integer, {holder}::text, {permits}::integer, {ttl}::float8, "
+        "{metadata}::jsonb, {wait}::boolean); COMMIT"
+    ).format(
+        s=sql.Identifier(schema),
+        name=sql.Literal(name),
+        limit=sql.Literal(limit),
+        holder=sql.Literal(holder),
+        permits=sql.Literal(permits),
+        ttl=sql.Literal(ttl),
+        metadata=sql.Literal(metadata_json),
+        wait=sql.Literal(wait),
+    )
+
+
+def semaphore_extend(schema: str, name: str, holders: Sequence[str], ttl: float) -> sql.Composed:
+    """The holders renewed (the missing ones are no longer held)."""
+    return sql.SQL(
+        "SELECT holder FROM {s}.semaphore_extend({name}::text, {holders}::text[], {ttl}::float8)"
+    ).format(
+        s=sql.Identifier(schema),
+        name=sql.Literal(name),
+        holders=sql.Literal(list(holders)),
+        ttl=sql.Literal(ttl),
+    )
+
+
+def semaphore_release(schema: str, name: str, holder: str) -> sql.Composed:
+    """One row: status ('released', 'expired', 'not_held'), notified."""
+    return sql.SQL(
+        "SELECT status, notified FROM {s}.semaphore_release({name}::text, {holder}::text)"
+    ).format(s=sql.Identifier(schema), name=sql.Literal(name), holder=sql.Literal(holder))
+
+
+def semaphore_info(schema: str, name: str) -> sql.Composed:
+    """Zero or one row: name, max_permits, held (live permits), holders."""
+    return sql.SQL(
+        "SELECT name, max_permits, held, holders FROM {s}.semaphore_info({name}::text)"
+    ).format(s=sql.Identifier(schema), name=sql.Literal(name))
+
+
 # --- leases (pglock/_lease.py) and the schema install (pglock/_schema.py) -------------------
 #
 # The lease functions themselves live in the shipped revision
