@@ -77,6 +77,8 @@ _DEGRADED_POLL = (0.05, 1.0)
 _EXPIRY_MARGIN = 0.002
 #: A listener with no waiters for this long closes its connection.
 _LISTENER_IDLE = 30.0
+#: How often a listener looks up from its connection (idle check, stop requests).
+_LISTENER_TICK = 0.5
 #: Most idle connections pglock keeps per DSN string.
 _DSN_MAX_IDLE = 4
 
@@ -391,11 +393,9 @@ _dsn_lock = threading.Lock()
 def _close_dsn_sources() -> None:
     with _dsn_lock:
         sources = list(_dsn_sources.values())
+        _dsn_sources.clear()
     for s in sources:
         s.close()
-
-
-atexit.register(_close_dsn_sources)
 
 _SOURCES = (
     "a psycopg_pool.ConnectionPool, a SQLAlchemy Engine on the psycopg driver "
@@ -487,6 +487,7 @@ class _Listener:
         self.channel = lease_channel(schema)
         self.key = (source.key, schema)
         self.healthy = False
+        self.stopped = False
         self.conn: psycopg.Connection[Any] | None = None
         self._close: Callable[[], None] | None = None
         self._connect()  # in the caller's thread: LISTEN is active before it tries again
@@ -515,43 +516,43 @@ class _Listener:
                 logger.debug("closing the listener connection failed", exc_info=True)
 
     def _run(self) -> None:
+        # Only this thread touches the connection once it runs; others set ``stopped``.
         backoff = 0.1
         idle_since: float | None = None
-        while True:
-            if self.conn is None:
+        try:
+            while not self.stopped:
+                if self.conn is None:
+                    try:
+                        self._connect()
+                        backoff = 0.1
+                        # Releases may have gone unheard while the connection was down.
+                        self.mgr.wake_all(self.key)
+                    except Exception as exc:
+                        logger.debug("lease listener reconnect failed: %r", exc)
+                        time.sleep(backoff)
+                        backoff = min(backoff * 2, 5.0)
+                        self.mgr.stop_listener_if_idle(self, idle_for=None)
+                        continue
+                conn = self.conn
+                assert conn is not None
                 try:
-                    self._connect()
-                    backoff = 0.1
-                    # Releases may have gone unheard while the connection was down.
-                    self.mgr.wake_all(self.key)
+                    for n in conn.notifies(timeout=_LISTENER_TICK):
+                        if n.channel == self.channel:
+                            self.mgr.on_notify(self.key, n.payload)
                 except Exception as exc:
-                    logger.debug("lease listener reconnect failed: %r", exc)
-                    time.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
-                    if self.mgr.stop_listener_if_idle(self, idle_for=None):
-                        return
+                    logger.info("lease listener lost its connection (%r); waiters poll", exc)
+                    self._drop()
+                    self.mgr.wake_all(self.key)
                     continue
-            conn = self.conn
-            assert conn is not None
-            try:
-                for n in conn.notifies(timeout=1.0):
-                    if n.channel == self.channel:
-                        self.mgr.on_notify(self.key, n.payload)
-            except Exception as exc:
-                logger.info("lease listener lost its connection (%r); waiters poll", exc)
-                self._drop()
-                self.mgr.wake_all(self.key)
-                continue
-            now = time.monotonic()
-            if self.mgr.has_waiters(self.key):
-                idle_since = None
-            elif idle_since is None:
-                idle_since = now
-            elif self.mgr.stop_listener_if_idle(self, idle_for=now - idle_since):
-                return
-
-    def close(self) -> None:
-        self._drop()
+                now = time.monotonic()
+                if self.mgr.has_waiters(self.key):
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = now
+                else:
+                    self.mgr.stop_listener_if_idle(self, idle_for=now - idle_since)
+        finally:
+            self._drop()
 
 
 class _Manager:
@@ -662,13 +663,11 @@ class _Manager:
         ttls = [s[4] for s in snaps]
         durable = any(s[0]._durable for s in snaps)
         sent = time.monotonic()
-        earliest = min(s[0]._deadline for s in snaps)
+        # Waiting longer than the earliest deadline would only hide a loss.
+        wait = max(0.05, min(s[0]._deadline for s in snaps) - sent)
         try:
             rows = source.run(
-                "extend_many",
-                schema,
-                (names, holders, tokens, ttls, durable),
-                timeout=max(0.05, earliest - sent),
+                "extend_many", schema, (names, holders, tokens, ttls, durable, wait), timeout=wait
             )
         except Exception as exc:
             logger.info("renewing %d lease(s) failed, retrying: %r", len(snaps), exc)
@@ -766,15 +765,23 @@ class _Manager:
             lst.thread.start()
             return lst, True
 
-    def stop_listener_if_idle(self, lst: _Listener, idle_for: float | None) -> bool:
+    def stop_listener_if_idle(self, lst: _Listener, idle_for: float | None) -> None:
         with self.lock:
             busy = lst.key in self.waiting
             if busy or (idle_for is not None and idle_for < _LISTENER_IDLE):
-                return False
+                return
             if self.listeners.get(lst.key) is lst:
                 del self.listeners[lst.key]
-        lst.close()
-        return True
+            lst.healthy = False
+            lst.stopped = True
+
+    def shutdown(self) -> None:
+        """Stop every listener (each closes its connection within a tick)."""
+        with self.lock:
+            listeners, self.listeners = list(self.listeners.values()), {}
+            for lst in listeners:
+                lst.healthy = False
+                lst.stopped = True
 
     def fallback(self, lst: _Listener | None, attempt: int) -> float:
         if lst is not None and lst.healthy:
@@ -811,6 +818,19 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def shutdown() -> None:
+    """Close what pglock opened for leases in this process: the NOTIFY listeners and the
+    connections kept per DSN string. Runs at exit; leases still held are not released (they
+    expire). Later lease calls open what they need again."""
+    m = _the_manager
+    if m is not None:
+        m.shutdown()
+    _close_dsn_sources()
+
+
+atexit.register(shutdown)
 
 
 # --- the public API ----------------------------------------------------------------------------

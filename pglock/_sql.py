@@ -442,11 +442,11 @@ def lease_extend(schema: str) -> sql.Composed:
 
 
 def lease_extend_many(schema: str) -> sql.Composed:
-    """(names[], holders[], tokens[], ttls[], durable) -> the (name, token, expires_at) of every
-    lease renewed; the missing ones are no longer held."""
+    """(names[], holders[], tokens[], ttls[], durable, wait seconds) -> the (name, token,
+    expires_at) of every lease renewed; the missing ones are no longer held."""
     return sql.SQL(
-        "SELECT name, token, expires_at"
-        " FROM {}.extend_many(%s::text[], %s::text[], %s::bigint[], %s::float8[], %s::boolean)"
+        "SELECT name, token, expires_at FROM {}.extend_many("
+        "%s::text[], %s::text[], %s::bigint[], %s::float8[], %s::boolean, %s::float8)"
     ).format(sql.Identifier(schema))
 
 

@@ -227,12 +227,15 @@ CREATE OR REPLACE FUNCTION {s}.extend_many(
     p_holders text[],
     p_tokens bigint[],
     p_ttls double precision[],
-    p_durable boolean DEFAULT true)
+    p_durable boolean DEFAULT true,
+    p_wait double precision DEFAULT NULL)
 RETURNS TABLE (name text, token bigint, expires_at timestamptz)
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, {s}, pg_temp
 AS $pglock$
 #variable_conflict use_column
+DECLARE
+    v_saved text := current_setting('lock_timeout');
 BEGIN
     IF EXISTS (SELECT 1 FROM unnest(p_ttls) AS t(ttl)
                 WHERE t.ttl IS NULL OR NOT (t.ttl > 0 AND t.ttl <= {max_ttl})) THEN
@@ -241,6 +244,12 @@ BEGIN
     END IF;
     IF NOT p_durable THEN
         PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
+    -- A renewal that cannot get its rows in time (p_wait seconds) fails rather than waits
+    -- past the deadlines it is meant to push back; the keepalive retries it.
+    IF p_wait IS NOT NULL THEN
+        PERFORM set_config('lock_timeout',
+            greatest(1, least(ceil(p_wait * 1000), 2147483647))::bigint::text || 'ms', true);
     END IF;
     -- One statement renews every lease of a keepalive round; leases no longer held by
     -- (holder, token), or already expired, are simply not returned.
@@ -251,6 +260,9 @@ BEGIN
      WHERE l.name = u.name AND l.holder = u.holder AND l.token = u.token
        AND l.expires_at > clock_timestamp()
     RETURNING l.name, l.token, l.expires_at;
+    IF p_wait IS NOT NULL THEN
+        PERFORM set_config('lock_timeout', v_saved, true);
+    END IF;
 END
 $pglock$
 """
@@ -385,7 +397,7 @@ _DOWNGRADE = [
     "DROP FUNCTION IF EXISTS {s}.guard(text, text, bigint)",
     "DROP FUNCTION IF EXISTS {s}.release(text, text, bigint)",
     "DROP FUNCTION IF EXISTS {s}.extend_many(text[], text[], bigint[], double precision[], "
-    "boolean)",
+    "boolean, double precision)",
     "DROP FUNCTION IF EXISTS {s}.extend(text, text, bigint, double precision, boolean)",
     "DROP FUNCTION IF EXISTS {s}.acquire(text, text, double precision, jsonb, "
     "double precision, boolean)",
