@@ -436,18 +436,22 @@ _listeners: dict[tuple[Any, ...], _Listener] = {}
 _listeners_lock = threading.Lock()
 
 
-def _listener(source: _Source, schema: str) -> _Listener | None:
+def _listener(source: _Source, schema: str, sem: Semaphore) -> _Listener | None:
+    """The (source, schema) listener, started if needed, with ``sem`` subscribed to it (under
+    the same lock as :func:`_retire`, so it cannot be retired in between)."""
     key = (source.key, schema)
     with _listeners_lock:
         lst = _listeners.get(key)
-        if lst is not None and not lst.closed:
-            return lst
-        try:
-            lst = _Listener(source, schema)
-        except Exception as exc:
-            logger.info("could not LISTEN for semaphore releases (%r); waiters poll instead", exc)
-            return None
-        _listeners[key] = lst
+        if lst is None or lst.closed:
+            try:
+                lst = _Listener(source, schema)
+            except Exception as exc:
+                logger.info(
+                    "could not LISTEN for semaphore releases (%r); waiters poll instead", exc
+                )
+                return None
+            _listeners[key] = lst
+        lst.subscribe(sem)
         return lst
 
 
@@ -626,6 +630,8 @@ class Semaphore:
         self._rng = random.Random()
         #: Acquire statements this object sent (tests count them to show how waiters wake).
         self._attempts = 0
+        #: The NOTIFY listener this object is subscribed to while it has waiters.
+        self._listening: _Listener | None = None
 
     @classmethod
     def _for_locker(
@@ -672,6 +678,23 @@ class Semaphore:
         if self._source is None:
             self._source = make_source(self._get_source())
         return self._source
+
+    def close(self) -> None:
+        """Close the connections pglock keeps open for this semaphore, if nobody else uses
+        them: the LISTEN connection of its source and schema (opened by the first wait), and
+        for a DSN source the few connections kept for its statements. Optional: they close
+        on their own (the LISTEN one after 30 s without waiters) or at exit. Permits still
+        held stay held and renewed; using the semaphore again reopens what it needs.
+        """
+        src = self._source
+        if src is None:
+            return
+        with _listeners_lock:
+            lst = _listeners.get((src.key, self._schema))
+        if lst is not None:
+            _retire(lst)
+        if isinstance(src, _DsnSource):
+            src.close()
 
     # -- the threading.Semaphore-like API ----------------------------------------------
 
@@ -740,14 +763,9 @@ class Semaphore:
         source = self._src()
         deadline = None if timeout is None else time.monotonic() + timeout
         ticket = object()
-        listener: _Listener | None = None
         with self._cond:
             self._queue.append(ticket)
         try:
-            if timeout != 0:
-                listener = _listener(source, self._schema)
-                if listener is not None:
-                    listener.subscribe(self)
             attempt = 0
             while True:
                 with self._cond:
@@ -764,6 +782,12 @@ class Semaphore:
                 remaining = _remaining(deadline)
                 if remaining == 0:
                     return None
+                # Refused: LISTEN from now on (an uncontended acquire never opens the LISTEN
+                # connection). A release sent before LISTEN was active went unheard, so try
+                # again at once when the subscription is new.
+                listener, new = self._listen(source)
+                if new:
+                    continue
                 attempt += 1
                 pause = self._fallback(listener, attempt)
                 if retry_in is not None:
@@ -778,11 +802,23 @@ class Semaphore:
                             break
                         self._cond.wait(left)
         finally:
-            if listener is not None:
-                listener.unsubscribe(self)
             with self._cond:
                 self._queue.remove(ticket)
+                if not self._queue and self._listening is not None:
+                    self._listening.unsubscribe(self)
+                    self._listening = None
                 self._cond.notify_all()  # the next in line goes at once
+
+    def _listen(self, source: _Source) -> tuple[_Listener | None, bool]:
+        """This object's NOTIFY subscription, made now if needed: (listener, made now)."""
+        with self._cond:
+            current = self._listening
+        if current is not None and not current.closed:
+            return current, False
+        lst = _listener(source, self._schema, self)
+        with self._cond:
+            self._listening = lst
+        return lst, lst is not None
 
     def _fallback(self, listener: _Listener | None, attempt: int) -> float:
         if listener is not None and listener.healthy:

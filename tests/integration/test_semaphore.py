@@ -247,10 +247,14 @@ def test_keepalive_keeps_permits_past_their_ttl(pool: ConnectionPool[Any], schem
 
 def test_waiters_wake_on_release_notify_not_a_poll(
     pool: ConnectionPool[Any], schema: str, name: str, monkeypatch: pytest.MonkeyPatch,
-    conn: psycopg.Connection[Any],
+    conn: psycopg.Connection[Any], app_name: str,
 ) -> None:
     """The fallback poll is pushed out to a minute and the holder's expiry is 30 s away:
-    only the NOTIFY of the release can wake the waiter in time."""
+    only the NOTIFY of the release can wake the waiter in time.
+
+    A refused waiter subscribes to the NOTIFY channel and tries once more (a release before
+    its LISTEN was active would go unheard), then sleeps: two refused attempts, and the
+    third, after the release, is granted."""
     monkeypatch.setattr(_semaphore, "_FALLBACK_POLL", (60.0, 60.0))
     holder_side = pglock.semaphore(pool, name, 1, schema=schema)
     waiter_side = pglock.semaphore(pool, name, 1, schema=schema)  # another object: no local poke
@@ -263,27 +267,37 @@ def test_waiters_wake_on_release_notify_not_a_poll(
     with holder_side:
         t = threading.Thread(target=waiter)
         t.start()
-        wait_until(lambda: waiter_side._attempts == 1, 5, "the waiter's refused attempt")
+        wait_until(lambda: waiter_side._attempts == 2, 5, "the waiter's refused attempts")
         time.sleep(0.3)
-        assert waiter_side._attempts == 1  # it sleeps, it does not poll
+        assert waiter_side._attempts == 2  # it sleeps, it does not poll
     t.join(10)
     assert not t.is_alive() and results == [True]
-    assert waiter_side._attempts == 2
+    assert waiter_side._attempts == 3
 
     # Negative control: permits freed behind pglock's back (no NOTIFY) do not wake it.
     holder_side.acquire()
     t = threading.Thread(target=waiter)
     t.start()
-    wait_until(lambda: waiter_side._attempts == 3, 5, "the waiter's refused attempt")
+    wait_until(lambda: waiter_side._attempts == 5, 5, "the waiter's refused attempts")
     conn.execute(sql.SQL("DELETE FROM {}.semaphore_permit WHERE semaphore = %s").format(
         sql.Identifier(schema)), (name,))
     time.sleep(0.5)
-    assert waiter_side._attempts == 3 and results == [True]
+    assert waiter_side._attempts == 5 and results == [True]
     waiter_side._poke()  # what a local release would do: it tries, and gets it
     t.join(10)
-    assert results == [True, True] and waiter_side._attempts == 4
+    assert results == [True, True] and waiter_side._attempts == 6
     with pytest.raises(pglock.LockLost):
         holder_side.release()  # its row was deleted by hand
+
+    # close() ends the LISTEN connection (nobody waits any more).
+    def sessions() -> int:
+        row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s"
+                           " AND query ILIKE 'LISTEN%%'", (app_name,)).fetchone()
+        return int(row[0]) if row else 0
+
+    assert sessions() == 1
+    waiter_side.close()
+    wait_until(lambda: sessions() == 0, 5, "the LISTEN session to end")
 
 
 def test_local_waiters_go_in_arrival_order(pool: ConnectionPool[Any], schema: str,
