@@ -504,7 +504,9 @@ def _session_lock(
     elif len(keys) > 1:
         stmt = _sql.lock(keys, shared=shared, xact=False, try_=try_)
 
-    registering = _registry.pending(conn, state, ctx.keys, ctx.names)
+    registering = _registry.pending(
+        conn, state, ctx.keys, ctx.names, own_transaction=status != INTRANS
+    )
     if registering:
         # This process's first use of these names here: record them in the same round trip,
         # after the lock statement (see pglock._registry for why that order).

@@ -47,6 +47,8 @@ class Registration:
 
     schema: str | None
     pairs: tuple[tuple[int, str], ...]
+    #: Sent in a transaction of pglock's own (not the caller's): commit it asynchronously.
+    own_transaction: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.pairs)
@@ -58,10 +60,18 @@ def _database(conn: psycopg.Connection[Any]) -> tuple[Any, ...]:
 
 
 def pending(
-    conn: psycopg.Connection[Any], state: ConnState, keys: Sequence[int], names: Sequence[str]
+    conn: psycopg.Connection[Any],
+    state: ConnState,
+    keys: Sequence[int],
+    names: Sequence[str],
+    *,
+    own_transaction: bool = False,
 ) -> Registration:
     """The ``(key, name)`` pairs this process has not registered yet in ``conn``'s database
-    (none when the registry is not installed or not writable there)."""
+    (none when the registry is not installed or not writable there).
+
+    ``own_transaction``: the statement will run in a transaction that pglock commits itself,
+    so the registration may skip waiting for the WAL flush."""
     schema = state.registry
     if schema is None:
         return Registration(None, ())
@@ -70,13 +80,15 @@ def pending(
         pairs = tuple(
             (k, n) for k, n in zip(keys, names, strict=True) if (db, k) not in _seen
         )
-    return Registration(schema, pairs)
+    return Registration(schema, pairs, own_transaction)
 
 
 def statement(registration: Registration) -> sql.Composed:
     """The registration statement (see :func:`pglock._sql.register_names`)."""
     assert registration.schema is not None
-    return _sql.register_names(registration.schema, registration.pairs)
+    return _sql.register_names(
+        registration.schema, registration.pairs, asynchronous=registration.own_transaction
+    )
 
 
 def mark(conn: psycopg.Connection[Any], registration: Registration) -> None:

@@ -46,12 +46,15 @@ DEFAULT_SCHEMA = "pglock"
 
 def _names_schema(privilege: str) -> sql.Composed:
     """The schema of the name registry when it exists and the current role may use it this
-    way, else NULL. A catalog lookup: ``to_regclass`` would raise without USAGE on the schema."""
+    way, else NULL. A catalog lookup: ``to_regclass`` would raise without USAGE on the schema
+    (and ``obj_description()`` would cost four times as much as this subquery)."""
     return sql.SQL(
         "(SELECT n.nspname::text FROM pg_catalog.pg_class c"
         " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
         " WHERE c.relname = {table} AND c.relkind = 'r'"
-        " AND pg_catalog.starts_with(pg_catalog.obj_description(c.oid, 'pg_class'), {marker})"
+        " AND pg_catalog.starts_with((SELECT d.description FROM pg_catalog.pg_description d"
+        "  WHERE d.objoid = c.oid AND d.classoid = 'pg_catalog.pg_class'::pg_catalog.regclass"
+        "  AND d.objsubid = 0), {marker})"
         " AND pg_catalog.has_schema_privilege(n.oid, 'USAGE')"
         " AND pg_catalog.has_table_privilege(c.oid, {privilege})"
         " ORDER BY n.nspname <> {default}, n.nspname LIMIT 1)"
@@ -79,6 +82,7 @@ _REGISTER = (
     " BEGIN"
     " SET LOCAL lock_timeout = '1ms';"
     " INSERT INTO {table} (key, name) VALUES {values} ON CONFLICT (key) DO NOTHING;"
+    "{asynchronous}"
     " EXCEPTION WHEN OTHERS THEN NULL;"
     " END;"
     " PERFORM pg_catalog.set_config('lock_timeout', lt, true);"
@@ -87,8 +91,14 @@ _REGISTER = (
 )
 
 
-def register_names(schema: str, pairs: Sequence[tuple[int, str]]) -> sql.Composed:
-    """Record ``(key, name)`` pairs in the name registry; never raises, returns no rows."""
+def register_names(
+    schema: str, pairs: Sequence[tuple[int, str]], *, asynchronous: bool
+) -> sql.Composed:
+    """Record ``(key, name)`` pairs in the name registry; never raises, returns no rows.
+
+    ``asynchronous`` commits without waiting for the WAL flush (``synchronous_commit = off``
+    for the rest of the transaction): only for a transaction of pglock's own, never the
+    caller's. A registration lost in a server crash is sent again by the next process."""
     values = sql.SQL(", ").join(
         sql.SQL("({}, pg_catalog.convert_from(pg_catalog.decode({}, 'hex'), 'UTF8'))").format(
             sql.Literal(k), sql.Literal(n.encode("utf-8").hex())
@@ -96,7 +106,13 @@ def register_names(schema: str, pairs: Sequence[tuple[int, str]]) -> sql.Compose
         for k, n in pairs
     )
     return sql.SQL(_REGISTER).format(
-        table=sql.Identifier(schema, NAMES_TABLE), values=values
+        table=sql.Identifier(schema, NAMES_TABLE),
+        values=values,
+        asynchronous=sql.SQL(
+            " PERFORM pg_catalog.set_config('synchronous_commit', 'off', true);"
+            if asynchronous
+            else ""
+        ),
     )
 
 # Identifies the current transaction (its start time): transaction locks taken in it by one

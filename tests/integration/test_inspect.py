@@ -185,9 +185,17 @@ def test_registration_leaves_the_callers_transaction_as_it_was(
             pass
         pglock.xact_lock(c, uniq())
         assert c.execute("SHOW lock_timeout").fetchone() == ("7s",)
+        # The caller's commit stays durable: only pglock's own transactions register
+        # asynchronously.
+        assert c.execute("SHOW synchronous_commit").fetchone() == ("on",)
         assert c.execute("SELECT 1").fetchone() == (1,)  # the transaction is usable
     assert c.execute("SHOW lock_timeout").fetchone() == ("0",)
     c.rollback()
+    auto = open_(reg_dsn, record=True)
+    with pglock.pg_lock(auto, uniq()):
+        pass
+    assert any("synchronous_commit" in s for s in auto.sent)  # type: ignore[attr-defined]
+    assert auto.execute("SHOW synchronous_commit").fetchone() == ("on",)
 
 
 def test_serializable_transactions_are_not_touched(open_: Connect, reg_dsn: str) -> None:
