@@ -567,7 +567,11 @@ class LeaderElection:
                         break
                     if not self._running:
                         return
-                    self._cond.wait(tick if self._leader else None)
+                    wait = tick if self._leader else None
+                    if self._leader and self._inflight_since is not None:
+                        due = self._inflight_since + self._network_timeout - now
+                        wait = max(0.001, min(tick, due + 0.001))
+                    self._cond.wait(wait)
                 self._in_callback = True
             callback = self._on_elected if kind == "elected" else self._on_lost
             try:

@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
-from psycopg.conninfo import make_conninfo
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pglock
 
@@ -295,6 +295,41 @@ def test_bad_sources(source: object, exc: type[Exception] | None) -> None:
         return
     with pytest.raises(exc):
         pglock.leader(source, "n")
+
+
+def test_silent_network_ends_the_term_and_nobody_else_leads(
+    pg_dsn: str, app_name: str, name: str, elections: list[pglock.LeaderElection],
+) -> None:
+    """A black hole between the leader and the server (the proxy's kernel still acknowledges
+    TCP, so no TCP timeout fires): the leader's watchdog ends its term after
+    ``network_timeout`` without an answer. The server still sees the old session, so nobody
+    else is elected (safe, not live) until that session really ends."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from faults.proxy import Proxy
+
+    params = conninfo_to_dict(pg_dsn)
+    upstream = int(params.get("port") or 5432)
+    lost = threading.Event()
+    with Proxy(upstream, upstream_host=str(params.get("host") or "127.0.0.1")) as proxy:
+        via_proxy = make_conninfo(pg_dsn, host="127.0.0.1", hostaddr="127.0.0.1",
+                                  port=proxy.port, application_name=app_name)
+        a = candidate(elections, via_proxy, name, check_interval=0.3, network_timeout=1.0,
+                      on_lost=lost.set).start()
+        assert a.wait_elected(10)
+        b = candidate(elections, make_conninfo(pg_dsn, application_name=app_name), name,
+                      check_interval=0.3).start()
+        proxy.set_mode("blackhole")
+        cut = time.monotonic()
+        assert lost.wait(10), "the leader did not notice the silent network"
+        print(f"on_lost {time.monotonic() - cut:.2f} s after the cut "
+              f"(bound check_interval + network_timeout = 1.3 s)")
+        assert not a.is_leader
+        assert not b.wait_elected(0.5)  # the server keeps the old session: nobody leads
+        proxy.set_mode("pass")
+        proxy.reset_all()  # now the server sees the old session end
+        assert b.wait_elected(10)
+        assert a.term is not None and b.term is not None and b.term > a.term
+        a.resign()
 
 
 # --- the acceptance run: three candidate processes ----------------------------------------------
