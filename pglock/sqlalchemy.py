@@ -41,6 +41,8 @@ __all__ = ["locked_session", "release_on_checkin"]
 
 logger = logging.getLogger("pglock.sqlalchemy")
 
+_MARK = "_pglock_release_on_checkin"
+
 
 def _on_reset(dbapi_connection: Any, connection_record: Any, reset_state: PoolResetState) -> None:
     if reset_state.terminate_only or not reset_state.asyncio_safe:
@@ -90,8 +92,11 @@ def release_on_checkin(engine_or_pool: Engine | Pool) -> None:
             "release_on_checkin expects a SQLAlchemy Engine or Pool, "
             f"not {type(engine_or_pool).__name__}"
         )
-    if not event.contains(target, "reset", _on_reset):
+    # A mark on the pool itself, not event.contains(): SQLAlchemy's registry is keyed by id(),
+    # and a new pool that reuses a disposed one's id can look hooked when it is not.
+    if not getattr(target, _MARK, False):
         event.listen(target, "reset", _on_reset)
+        setattr(target, _MARK, True)
 
 
 def locked_session(
