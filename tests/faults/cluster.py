@@ -244,7 +244,7 @@ class Cluster:
         **params: Any,
     ) -> str:
         """A libpq URL for this cluster (``port`` to go through a proxy)."""
-        query = urlencode({k: str(v) for k, v in params.items()})
+        query = urlencode({k: str(v) for k, v in params.items()}, quote_via=quote)
         url = f"postgresql://postgres@{host}:{port or self.port}/{quote(dbname)}"
         return f"{url}?{query}" if query else url
 

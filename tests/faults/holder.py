@@ -320,6 +320,17 @@ class Holder:
                     self.conn.execute("BEGIN")
                 pglock.xact_lock(self.conn, name, timeout=req.get("timeout"))
                 self.locks[name] = "xact"
+            elif kind == "lease":
+                held = pglock.lease(  # type: ignore[attr-defined]
+                    req["source"],
+                    name,
+                    ttl=req.get("ttl", 30),
+                    timeout=req.get("timeout"),
+                    keepalive=req.get("keepalive", True),
+                )
+                held.__enter__()
+                self.locks[name] = held
+                return {"ok": True, "token": held.token}
             else:
                 cm = KINDS[kind](
                     self.conn,
@@ -355,6 +366,17 @@ class Holder:
         if op == "go":
             assert self.workload is not None
             return self.workload.run()
+        if op == "lease_check":
+            self.locks[req["name"]].check()
+            return {"ok": True}
+        if op == "lease_write":
+            assert self.conn is not None
+            held = self.locks[req["name"]]
+            with self.conn.transaction():
+                if req.get("guard", True):
+                    held.guard(self.conn)
+                self.conn.execute(req["sql"], req.get("params"))
+            return {"ok": True}
         if op == "soak":
             return soak(req)
         if op == "ping":
