@@ -437,13 +437,15 @@ def test_acceptance_three_candidates(
         took = (third[4] - terminated_at).total_seconds()
         print(f"new leader {took:.2f} s after pg_terminate_backend")
         assert took <= bound
-        # The terminated leader noticed, and said so before the next one was elected.
+        # The terminated leader noticed (on_lost). Its is_leader had already gone stale before
+        # the new leader's started (the takeover delay); on_lost itself comes when its next
+        # check fails, within check_interval, so usually before the next on_elected: printed,
+        # not asserted (a busy machine may delay a callback thread).
         lost2 = wait_until(
             lambda: [r for r in rows("lost") if r[2] == l2 and r[0] > mark], 10, "on_lost"
         )[0]
         print(f"on_lost of the terminated leader {(third[4] - lost2[4]).total_seconds():.2f} s"
               " before the next on_elected")
-        assert lost2[4] < third[4]
         wait_until(lambda: acts_of(l3, third[0]) >= 3, 10, "the third leader to act")
 
         # 4. SIGSTOP the leader for longer than check_interval: it keeps the lock (its session
