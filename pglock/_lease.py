@@ -329,7 +329,13 @@ class _EngineSource(_Source):
         raw = self.engine.raw_connection()
         raw.detach()  # ours from now on: the pool forgets it and opens another when needed
         conn: psycopg.Connection[Any] = raw.driver_connection
-        conn.autocommit = True
+        try:
+            if conn.info.transaction_status != TransactionStatus.IDLE:
+                conn.rollback()  # a new connection may be in the dialect's first transaction
+            conn.autocommit = True
+        except BaseException:
+            raw.close()
+            raise
         return conn, raw.close
 
 
@@ -1058,6 +1064,9 @@ class Lease:
                     with local._lock:
                         if local._state == _HELD and not local._lost:
                             wake_at = local._deadline + _EXPIRY_MARGIN
+                        elif local._state == _RELEASED:
+                            # Its release is in flight; its end wakes us (a short safety net).
+                            wake_at = time.monotonic() + 1.0
                 if wake_at is None or wake_at <= time.monotonic():
                     remaining = _remaining(deadline)
                     row = self._attempt(remaining)
