@@ -66,8 +66,8 @@ class Settings:
             handoffs=50,
             handoffs_polled=25,
             leases=10_000,
-            keepalive_window=9.0,
-            keepalive_ttl=3.0,
+            keepalive_window=21.0,  # two renewal rounds at the default ttl
+            keepalive_ttl=30.0,  # pglock.lease's default
             rows_small=1_000,
             rows_large=1_000_000,
             acquire_blocks=10,
@@ -275,23 +275,18 @@ def trace_round_trips(conns: Sequence[psycopg.Connection[Any]]) -> Iterator[Call
         total.append(n)
 
 
-def thread_cpu_seconds() -> dict[int, float]:
-    """CPU seconds (user + system) per native thread id of this process, from /proc."""
-    out: dict[int, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    base = "/proc/self/task"
-    try:
-        tids = os.listdir(base)
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"{base}/{tid}/stat", encoding="ascii") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+def thread_cpu_seconds(threads: Sequence[threading.Thread]) -> dict[str, float]:
+    """CPU seconds (user + system) each of ``threads`` has used so far (threads that ended or
+    whose clock cannot be read are left out)."""
+    out: dict[str, float] = {}
+    for t in threads:
+        if t.ident is None or not t.is_alive():
             continue
-        # fields[0] is the state (field 3 of stat); utime and stime are fields 14 and 15
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+        try:
+            clock = time.pthread_getcpuclockid(t.ident)
+            out[f"{t.name}#{t.ident}"] = time.clock_gettime(clock)
+        except (OSError, AttributeError):
+            continue
     return out
 
 

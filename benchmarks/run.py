@@ -398,7 +398,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"{k.get('window_s')} s: {_fmt(k.get('statements_per_s'))} round trips/s, "
             f"{_fmt(k.get('statements_per_round'))} per renewal round "
             f"({k.get('renewal_rounds')} rounds), keepalive thread "
-            f"{_fmt(k.get('keepalive_cpu_pct_of_core'))}% of a core (whole process "
+            f"{_fmt(k.get('keepalive_cpu_pct_of_core'))}% of a core "
+            f"({_fmt(k.get('keepalive_cpu_ms_per_round'))} ms CPU per round; whole process "
             f"{_fmt(k.get('process_cpu_pct_of_core'))}%), leases lost: {k.get('leases_lost')}; "
             f"acquiring them all took {k.get('acquire_all_s')} s"
             + (f" (errors: {k['errors']})" if k.get("errors") else ""),
