@@ -90,6 +90,50 @@ def test_channel_matches_the_revision() -> None:
     assert rev.LIMIT_MISMATCH == _semaphore.LIMIT_MISMATCH
 
 
+def test_revision_round_trip(pg_dsn: str) -> None:
+    """pglock_0002 downgrades cleanly (after the revisions above it), leaves the leases alone,
+    installs again, and re-running its statements is harmless."""
+    from pglock._schema import installed_revisions, revisions
+
+    schema = f"t5rt_{uuid.uuid4().hex[:8]}"
+    ident = sql.Identifier(schema)
+    install(pg_dsn, schema=schema)
+    revs = revisions()
+    names = [r.revision for r in revs]
+    assert names.index("pglock_0002") == names.index("pglock_0001") + 1
+    mine = revs[names.index("pglock_0002")]
+
+    def tables(c: psycopg.Connection[Any]) -> set[str]:
+        return {r[0] for r in c.execute(
+            "SELECT tablename FROM pg_tables WHERE schemaname = %s", (schema,)).fetchall()}
+
+    try:
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute(sql.SQL("SELECT * FROM {}.semaphore_acquire('x', 2, 'h', 1, 60)")
+                      .format(ident))
+            with c.transaction():  # idempotent: the statements again change nothing
+                for st in mine.upgrade_statements(schema):
+                    c.execute(st)
+            assert c.execute(sql.SQL("SELECT held FROM {}.semaphore_info('x')").format(ident)
+                             ).fetchone() == (1,)
+            with c.transaction():
+                for rev in reversed(revs[names.index("pglock_0002"):]):
+                    for st in rev.module.downgrade_statements(schema):
+                        c.execute(st)
+            assert {"semaphore", "semaphore_permit"}.isdisjoint(tables(c))
+            assert {"lease", "schema_revision"} <= tables(c)
+            assert installed_revisions(c, schema) == ["pglock_0001"]
+            assert c.execute(
+                "SELECT count(*) FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+                " WHERE n.nspname = %s AND p.proname LIKE 'semaphore%%'", (schema,)
+            ).fetchone() == (0,)
+        assert install(pg_dsn, schema=schema) == names[names.index("pglock_0002"):]
+        assert install(pg_dsn, schema=schema) == []
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(ident))
+
+
 # --- basics ------------------------------------------------------------------------------------
 
 
