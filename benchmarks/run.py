@@ -184,7 +184,11 @@ def evaluate_targets(w: dict[str, Any]) -> list[dict[str, Any]]:
         "pg_lock cycle <= 1.1x raw psycopg cycle (alternating)",
         r,
         None if r is None else r <= 1.1,
-        f"{r}x (client CPU {cpu}x)" if r else "n/a",
+        f"{r}x (median of per-round ratios "
+        f"{(_get(w, 'A', 'adapters', 'pglock', 'ratio_blocks') or [None] * 3)[1]}x; "
+        f"client CPU {cpu}x)"
+        if r
+        else "n/a",
     )
 
     x = _get(w, "A", "xact") or {}
@@ -202,12 +206,16 @@ def evaluate_targets(w: dict[str, Any]) -> list[dict[str, Any]]:
         add("xact_lock", "xact_lock adds one round trip and nothing at commit", None, None, "n/a")
 
     m = _get(w, "A", "multi_key_ratio")
+    raw10 = _get(w, "A", "adapters", "raw-10", "ratio")
     add(
         "multi_key",
         "10-name pg_lock cycle <= 1.5x single-name cycle",
         m,
         None if m is None else m <= 1.5,
-        f"{m}x" if m else "n/a",
+        f"{m}x (the raw 10-name statement costs {raw10}x the raw single one; pglock 10 names "
+        f"= {_get(w, 'A', 'multi_key_vs_raw_multi')}x raw 10 names)"
+        if m
+        else "n/a",
     )
 
     lr = _get(w, "A", "adapters", "lease", "ratio")
