@@ -462,3 +462,15 @@ def test_locked_session_contention_and_bad_input(
         pglock.sqlalchemy.locked_session(engine, name, session_factory=None)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         pglock.sqlalchemy.locked_session("engine", name)  # type: ignore[arg-type]
+
+
+def test_every_new_engine_is_hooked_even_when_ids_are_reused() -> None:
+    """Regression: engines created and disposed in a row often reuse a freed pool's id();
+    SQLAlchemy's event.contains() then reported the new pool as hooked (about 1 in 100), and
+    its connections went back to the pool with their locks."""
+    for i in range(2000):
+        engine = sa.create_engine("postgresql+psycopg://app@localhost/app", pool_size=1)
+        pglock.sqlalchemy.release_on_checkin(engine)  # no I/O: nothing connects here
+        assert len(engine.pool.dispatch.reset) == 1, f"engine {i} was not hooked"
+        engine.dispose()
+        del engine
