@@ -388,9 +388,10 @@ def semaphore_acquire(
     wait: bool,
 ) -> sql.Composed:
     """One row: granted, held (live permits after the call), retry_in (seconds until the
-    earliest live permit expires, when refused)."""
+    earliest live permit expires, when refused). A grant is committed durably even where
+    ``synchronous_commit`` is off (the function turns it off for a refusal)."""
     return sql.SQL(
-        "BEGIN ISOLATION LEVEL READ COMMITTED; "
+        "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL synchronous_commit = on; "
         "SELECT granted, max_permits, held, retry_in FROM {s}.semaphore_acquire("
         "{name}::text, {limit}::integer, {holder}::text, {permits}::integer, {ttl}::float8, "
         "{metadata}::jsonb, {wait}::boolean); COMMIT"
@@ -407,9 +408,13 @@ def semaphore_acquire(
 
 
 def semaphore_extend(schema: str, name: str, holders: Sequence[str], ttl: float) -> sql.Composed:
-    """The holders renewed (the missing ones are no longer held)."""
+    """The holders renewed (the missing ones are no longer held). Committed durably even where
+    ``synchronous_commit`` is off: after a crash the server must not believe a permit ends
+    sooner than its holder does."""
     return sql.SQL(
-        "SELECT holder FROM {s}.semaphore_extend({name}::text, {holders}::text[], {ttl}::float8)"
+        "BEGIN; SET LOCAL synchronous_commit = on; "
+        "SELECT holder FROM {s}.semaphore_extend({name}::text, {holders}::text[], {ttl}::float8);"
+        " COMMIT"
     ).format(
         s=sql.Identifier(schema),
         name=sql.Literal(name),
