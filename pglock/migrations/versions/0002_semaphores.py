@@ -137,7 +137,8 @@ BEGIN
     -- A refused attempt changes nothing that needs a durable commit.
     PERFORM set_config('synchronous_commit', 'off', true);
     RETURN QUERY SELECT false, v_limit, v_held, NULL::timestamptz,
-                        greatest(0, extract(epoch FROM v_next - clock_timestamp()))::double precision,
+                        greatest(0, extract(epoch FROM v_next - clock_timestamp()))
+                            ::double precision,
                         v_now;
 END
 $pglock$
