@@ -63,44 +63,48 @@ class AdvisoryLock:
     Instances are immutable snapshots and can be shared between threads.
     """
 
-    #: The lock's name, when pglock took it in a database with the name registry
-    #: installed (``pglock install``); None for keys taken by other code.
     name: str | None
-    #: The signed 64-bit key (``pglock.key(name)``); None for a lock taken with two int4 keys.
+    """The lock's name, when pglock took it in a database with the name registry installed (``pglock
+    install``); None for keys taken by other code."""
     key: int | None
-    #: The two int4 keys of ``pg_advisory_lock(int, int)``; None for 64-bit keys.
+    """The signed 64-bit key (``pglock.key(name)``); None for a lock taken with two int4 keys."""
     key_pair: tuple[int, int] | None
-    #: ``"exclusive"`` or ``"shared"``.
+    """The two int4 keys of ``pg_advisory_lock(int, int)``; None for 64-bit keys."""
     mode: str
-    #: True for a holder, False for a waiter.
+    """``"exclusive"`` or ``"shared"``."""
     granted: bool
-    #: The backend pid of the session (None for a prepared transaction).
+    """True for a holder, False for a waiter."""
     pid: int | None
+    """The backend pid of the session (None for a prepared transaction)."""
     application_name: str | None
-    #: The client's IP address, or None for a Unix-socket or background session.
+    """The session's ``application_name``."""
     client_addr: str | None
+    """The client's IP address, or None for a Unix-socket or background session."""
     client_port: int | None
-    #: The database role of the session.
+    """The client's TCP port, or None."""
     user: str | None
+    """The database role of the session."""
     backend_start: datetime | None
-    #: Start of the session's open transaction, or None.
+    """When the session started."""
     xact_start: datetime | None
-    #: ``active``, ``idle``, ``idle in transaction``, ...
+    """Start of the session's open transaction, or None."""
     state: str | None
-    #: The session's current (``active``) or latest statement.
+    """``active``, ``idle``, ``idle in transaction``, ..."""
     query: str | None
-    #: Lower bound of the grant time; see :attr:`held_since_basis` (None for waiters).
+    """The session's current (``active``) or latest statement."""
     held_since: datetime | None
-    #: How :attr:`held_since` was derived: ``"statement"`` (the latest statement took the
-    #: lock) or ``"session"`` (an upper bound: the session start).
+    """Lower bound of the grant time; see :attr:`held_since_basis` (None for waiters)."""
     held_since_basis: Literal["statement", "session"] | None
-    #: When the waiter started waiting (``pg_locks.waitstart`` on PostgreSQL 14+; before 14,
-    #: the start of the waiting statement). None for holders.
+    """How :attr:`held_since` was derived: ``"statement"`` (the session's latest statement took
+    the lock: exact) or ``"session"`` (the session start: the lock is no older, so
+    :attr:`held_for` is an upper bound)."""
     waiting_since: datetime | None
-    #: For a waiter, the pids of the sessions it waits for (``pg_blocking_pids``).
+    """When the waiter started waiting (``pg_locks.waitstart`` on PostgreSQL 14+; before 14, the
+    start of the waiting statement). None for holders."""
     blocked_by: tuple[int, ...]
-    #: The server's clock when this snapshot was taken.
+    """For a waiter, the pids of the sessions it waits for (``pg_blocking_pids``)."""
     observed_at: datetime
+    """The server's clock when this snapshot was taken."""
 
     @property
     def label(self) -> str:
@@ -271,16 +275,16 @@ class SemaphoreHolder:
     Instances are immutable snapshots and can be shared between threads.
     """
 
-    #: The holder id of this acquisition.
     holder: str
-    #: How many permits it holds.
+    """The holder id of this acquisition."""
     permits: int
+    """How many permits it holds."""
     acquired_at: datetime
     expires_at: datetime
-    #: Seconds left before the permits expire (unless renewed), on the database clock.
     expires_in: float
-    #: The JSON metadata stored with the permits, or None.
+    """Seconds left before the permits expire (unless renewed), on the database clock."""
     metadata: Any
+    """The JSON metadata stored with the permits, or None."""
 
 
 @dataclass(frozen=True)
@@ -291,13 +295,13 @@ class SemaphoreInfo:
     """
 
     name: str
-    #: The limit stored by the first acquire.
     limit: int
-    #: The live permits held now (the sum over :attr:`holders`).
+    """The limit stored by the first acquire."""
     held: int
-    #: True when an acquire was refused and asked to be woken on release (someone waits, or
-    #: waited recently).
+    """The live permits held now (the sum over :attr:`holders`)."""
     waiters: bool
+    """True when an acquire was refused and asked to be woken on release (someone waits, or waited
+    recently)."""
     holders: tuple[SemaphoreHolder, ...]
 
 
