@@ -99,9 +99,10 @@ def test_T01_mutual_exclusion(
 
 
 TOKEN_ORDER_BUG = (
-    "pglock bug (intermittent): the first-grant INSERT evaluates nextval() before it meets a "
+    "pglock bug (intermittent; likely cause): the first-grant INSERT evaluates nextval() "
+    "before it meets a "
     "concurrent insert, so a session descheduled between the two can be granted a token "
-    "smaller than one already granted and released (seen: 1 run in 4 of T01[lease])"
+    "smaller than one already granted and released (seen in 2 of 8 runs)"
 )
 
 

@@ -142,7 +142,10 @@ def test_T07_orm_session_ending_its_transaction_loses_the_lock_loudly(
             lock = pglock.pg_lock(session, name)
             assert lock.acquire()
             session.rollback()  # NullPool closes the connection: Postgres drops the lock
-            assert holders_of(observer, pglock.key(name)) == []
+            wait_for(
+                lambda: holders_of(observer, pglock.key(name)) == [],
+                what="the server to end the closed session",
+            )
             with pytest.raises(pglock.LockLost):
                 lock.release()
             assert not lock.locked
