@@ -244,7 +244,9 @@ def soak(req: dict[str, Any]) -> dict[str, Any]:
         log(p=p, name=name, f="acquire", ev="invoke")
         lock = None
         try:
-            if kind == "session":
+            if kind == "none":  # the negative control: no lock at all
+                ok = True
+            elif kind == "session":
                 lock = pglock.pg_lock(conn, name, timeout=timeout)
                 ok = lock.acquire()
             else:
@@ -273,7 +275,7 @@ def soak(req: dict[str, Any]) -> dict[str, Any]:
             if kind == "session":
                 assert lock is not None
                 lock.release()
-            else:
+            elif kind == "xact":
                 conn.execute("COMMIT")
             log(p=p, name=name, f="release", ev="ok", op=op_id, acked=section_ok)
         except Exception as exc:

@@ -186,3 +186,37 @@ def test_T27_randomized_soak_linearizable(
         float(sum(actions.values())),
         "actions",
     )
+
+
+def test_T27_negative_control_without_a_lock_is_not_linearizable(
+    cluster: Cluster, holders: Callable[..., Holder], app_name: str, tmp_path: Path
+) -> None:
+    """The same pipeline (workers, history files, checker) with no lock at all must find
+    histories that no mutex could produce, and lost updates."""
+    names = [f"soak-none:{uuid.uuid4()}:{i}" for i in range(3)]
+    with psycopg.connect(cluster.dsn(), autocommit=True) as admin:
+        oracles = [Oracle.create(admin) for _ in names]
+    paths = [tmp_path / f"none-{i}.jsonl" for i in range(PROCS)]
+    procs = [holders() for _ in range(PROCS)]
+    for i, h in enumerate(procs):
+        h.send(
+            "soak",
+            dsn=cluster.dsn(),
+            app=app_name,
+            kind="none",
+            names=names,
+            oracles=[o.prefix for o in oracles],
+            seconds=3.0,
+            history=str(paths[i]),
+            seed=i,
+        )
+    for h in procs:
+        assert h.reply(timeout=60).get("ok")
+    per_name, acked, _, _ = load_history(paths)
+    assert not all(check(ops) for ops in per_name.values())
+    with psycopg.connect(cluster.dsn(), autocommit=True) as admin:
+        all_ids: set[str] = set()
+        for oracle in oracles:
+            all_ids |= set(oracle.check(admin, []).ids)
+            oracle.drop(admin)
+    assert acked - all_ids, "no lost update without a lock: the oracle is blind"
