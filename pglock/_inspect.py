@@ -99,8 +99,8 @@ class AdvisoryLock:
     the lock: exact) or ``"session"`` (the session start: the lock is no older, so
     :attr:`held_for` is an upper bound)."""
     waiting_since: datetime | None
-    """When the waiter started waiting (``pg_locks.waitstart`` on PostgreSQL 14+; before 14, the
-    start of the waiting statement). None for holders."""
+    """When the waiter started waiting (``pg_locks.waitstart``, PostgreSQL 14+). None for holders,
+    before PostgreSQL 14, and for a moment after the wait began (Postgres sets it lazily)."""
     blocked_by: tuple[int, ...]
     """For a waiter, the pids of the sessions it waits for (``pg_blocking_pids``)."""
     observed_at: datetime
@@ -240,8 +240,6 @@ def _advisory_lock(row: tuple[Any, ...]) -> AdvisoryLock:
             held_since, basis = backend_start, "session"
     else:
         waiting_since = waitstart
-        if waiting_since is None and state == "active":
-            waiting_since = query_start
     return AdvisoryLock(
         name=name,
         key=key,
