@@ -109,12 +109,42 @@ def _lease(conn: psycopg.Connection[Any], name: str, ctx: dict[str, Any]) -> Ite
         yield int(held.token)
 
 
+@contextlib.contextmanager
+def _semaphore(
+    conn: psycopg.Connection[Any], name: str, ctx: dict[str, Any]
+) -> Iterator[int | None]:
+    sem = pglock.semaphore(ctx["source"], name, limit=ctx["limit"])  # type: ignore[attr-defined]
+    if not sem.acquire(timeout=ctx.get("timeout")):
+        raise pglock.LockNotAcquired(name, timeout=ctx.get("timeout"))
+    try:
+        yield None
+    finally:
+        sem.release()
+
+
+@contextlib.contextmanager
+def _rwlock(conn: psycopg.Connection[Any], name: str, ctx: dict[str, Any]) -> Iterator[int | None]:
+    """A read-write lock on the process's pool: 20 % writers. Yields 1 for a writer, 0 for a
+    reader (recorded as the audit row's token)."""
+    import random
+
+    rw = pglock.rwlock(ctx["pool"], name)  # type: ignore[attr-defined]
+    if random.random() < 0.2:
+        with rw.write(timeout=ctx.get("timeout")):
+            yield 1
+    else:
+        with rw.read(timeout=ctx.get("timeout")):
+            yield 0
+
+
 KINDS: dict[str, Callable[..., contextlib.AbstractContextManager[int | None]]] = {
     "none": _none,
     "session": _session,
     "xact": _xact,
     "raw_session": _raw_session,
     "pool": _pool,
+    "semaphore": _semaphore,
+    "rwlock": _rwlock,
     "lease": _lease,
 }
 
@@ -138,12 +168,13 @@ class Workload:
             shared = psycopg.connect(req["dsn"], autocommit=True, application_name=app)
         for _ in range(req["threads"]):
             c: Any = shared
-            if c is None and req["kind"] != "pool":  # pool_lock checks out its own
+            if c is None and req["kind"] not in ("pool", "rwlock"):  # these check out their own
                 c = psycopg.connect(req["dsn"], autocommit=True, application_name=app)
             o = psycopg.connect(req["dsn"], autocommit=True, application_name=app + ":oracle")
             self.conns.append((c, o))
         self.ctx: dict[str, Any] = {"source": req["dsn"], "timeout": req.get("timeout")}
-        if req["kind"] == "pool":
+        self.ctx["limit"] = req.get("limit")
+        if req["kind"] in ("pool", "rwlock"):
             from psycopg_pool import ConnectionPool
 
             self.ctx["pool"] = ConnectionPool(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import psycopg
 import pytest
@@ -43,8 +44,9 @@ def run_workload(
     iterations: int = ITERATIONS,
     ttl: float | None = None,
     share_conn: bool = False,
+    limit: int | None = None,
 ) -> tuple[Verdict, list[str]]:
-    if kind == "lease":
+    if kind in ("lease", "semaphore"):
         from pglock import _schema
 
         _schema.install(cluster.dsn())
@@ -67,6 +69,7 @@ def run_workload(
                     worker=f"p{i}",
                     ttl=ttl,
                     share_conn=share_conn,
+                    limit=limit,
                     timeout=60,
                 )
             for p in procs:
@@ -157,3 +160,79 @@ def test_T05_negative_control_raw_locks_on_shared_connections(
     assert errors == []
     assert verdict.overlaps > 0, verdict.summary()
     assert verdict.lost, verdict.summary()
+
+
+@pytest.mark.skipif(not hasattr(pglock, "semaphore"), reason="no semaphores yet")
+def test_T21_semaphore_never_exceeds_its_limit(
+    cluster: Cluster, holders: Callable[..., Holder], app_name: str, name: str
+) -> None:
+    """Semaphore(limit=3) under the T01 load: at most 3 sections at once, and 3 reached (so the
+    audit could see a breach). Lost updates are expected here: 3 holders share the counter."""
+    verdict, errors = run_workload(
+        cluster, holders, app_name, "semaphore", name, iterations=8, limit=3
+    )
+    assert errors == []
+    assert verdict.max_concurrency == 3, verdict.summary()
+
+
+@pytest.mark.skipif(not hasattr(pglock, "rwlock"), reason="no rwlock yet")
+def test_T21_rwlock_writers_exclude_everyone_readers_share(
+    cluster: Cluster, holders: Callable[..., Holder], app_name: str, name: str
+) -> None:
+    """rwlock under the T01 load, 20 % writers: no section overlaps a writer's, and readers
+    do overlap (so the audit could see it)."""
+    with psycopg.connect(cluster.dsn(), autocommit=True, application_name=app_name) as admin:
+        verdict, errors, writer_overlaps = _rwlock_run(cluster, holders, app_name, name, admin)
+    assert errors == []
+    assert writer_overlaps == 0
+    assert verdict.max_concurrency > 1, verdict.summary()
+
+
+def _rwlock_run(
+    cluster: Cluster,
+    holders: Callable[..., Holder],
+    app_name: str,
+    name: str,
+    admin: psycopg.Connection[Any],
+) -> tuple[Verdict, list[str], int]:
+    from psycopg import sql
+
+    oracle = Oracle.create(admin)
+    try:
+        procs = [holders(wait=False) for _ in range(PROCS)]
+        for p in procs:
+            p.wait_ready()
+        for i, p in enumerate(procs):
+            p.request(
+                "prepare",
+                dsn=cluster.dsn(),
+                app=app_name,
+                oracle=oracle.prefix,
+                kind="rwlock",
+                name=name,
+                threads=THREADS,
+                iterations=8,
+                worker=f"p{i}",
+                timeout=60,
+            )
+        for p in procs:
+            p.send("go")
+        acked: list[str] = []
+        errors: list[str] = []
+        for p in procs:
+            out = p.reply(timeout=110)
+            assert out.get("ok"), out
+            acked += out["acked"]
+            errors += out["errors"]
+        verdict = oracle.check(admin, acked)
+        row = admin.execute(
+            sql.SQL(
+                "SELECT count(*) FROM {a} x JOIN {a} y ON x.id < y.id"
+                " WHERE x.enter_seq < y.exit_seq AND y.enter_seq < x.exit_seq"
+                "   AND (x.token = 1 OR y.token = 1)"
+            ).format(a=oracle.audit)
+        ).fetchone()
+        assert row is not None
+        return verdict, errors, int(row[0])
+    finally:
+        oracle.drop(admin)
