@@ -290,9 +290,12 @@ def test_holder_and_waiter_by_name(open_: Connect, reg_dsn: str, app_name: str) 
     assert waiting.blocked_by == (holder.info.backend_pid,)
     if holder.info.server_version >= 140000:
         wait_until(lambda: pglock.advisory_locks(observer, name)[-1].waiting_since is not None)
-    waiting = pglock.advisory_locks(observer, name)[-1]
-    assert waiting.waiting_since is not None and waiting.waiting_for is not None
-    assert waiting.waiting_for >= 0
+        waiting = pglock.advisory_locks(observer, name)[-1]
+        assert waiting.waiting_since is not None and waiting.waiting_for is not None
+        assert waiting.waiting_since <= waiting.observed_at
+        assert waiting.waiting_for >= 0
+    else:  # pg_locks.waitstart is new in 14
+        assert waiting.waiting_since is None
     assert held.label == name
     lock.release()
     assert got.wait(10)
