@@ -121,6 +121,12 @@ TRANSACTION_START = sql.SQL("SELECT pg_catalog.transaction_timestamp()")
 
 # --- introspection (pglock._inspect) ---------------------------------------------------
 
+#: ``pglock status``'s header: the database, the server's clock and its version number.
+STATUS_HEADER = sql.SQL(
+    "SELECT pg_catalog.current_database(), pg_catalog.clock_timestamp(),"
+    " pg_catalog.split_part(pg_catalog.current_setting('server_version'), ' ', 1)"
+)
+
 
 def relations_exist(schema: str, relations: Sequence[str]) -> sql.Composed:
     """One row: are all ``relations`` in ``schema`` (and readable)? A catalog lookup that works

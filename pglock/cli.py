@@ -222,13 +222,10 @@ def _json_default(value: object) -> str:
 
 def status_snapshot(conn: Any, names: list[str] | None, schema: str) -> dict[str, Any]:
     """What ``pglock status`` shows, as plain data (the ``--json`` document)."""
-    from . import _inspect, _lease
+    from . import _inspect, _lease, _sql
     from .errors import SchemaNotInstalled
 
-    info = conn.execute(
-        "SELECT pg_catalog.current_database(), pg_catalog.clock_timestamp(),"
-        " pg_catalog.split_part(pg_catalog.current_setting('server_version'), ' ', 1)"
-    ).fetchone()
+    info = conn.execute(_sql.STATUS_HEADER).fetchone()
     locks = _inspect.advisory_locks(conn, names)
     doc: dict[str, Any] = {
         "database": info[0],
