@@ -319,6 +319,45 @@ def soak(req: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "generations": gen, "ops": seq}
 
 
+# --- T22: a leader-election candidate --------------------------------------------------------
+
+
+def candidate(req: dict[str, Any]) -> Any:
+    """Start a candidate in the background; log its beliefs to a history file: callbacks,
+    and every change of ``is_leader`` seen by a 5 ms poller (monotonic times, flushed)."""
+    import time
+
+    hist = open(req["history"], "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+    lock = threading.Lock()
+
+    def log(ev: str, term: Any) -> None:
+        with lock:
+            hist.write(json.dumps({"ev": ev, "t": time.monotonic(), "term": term}) + "\n")
+
+    holder: dict[str, Any] = {}
+    election = pglock.leader(  # type: ignore[attr-defined]
+        req["dsn"],
+        req["name"],
+        on_elected=lambda: log("elected", holder["e"].term),
+        on_lost=lambda: log("lost", holder["e"].term),
+        check_interval=req.get("check_interval", 0.2),
+    )
+    holder["e"] = election
+
+    def poll() -> None:
+        was = False
+        while True:
+            now = bool(election.is_leader)
+            if now != was:
+                log("believes" if now else "doubts", election.term)
+                was = now
+            time.sleep(0.005)
+
+    election.start()
+    threading.Thread(target=poll, daemon=True).start()
+    return election
+
+
 # --- the request loop ---------------------------------------------------------------------------
 
 
@@ -409,6 +448,9 @@ class Holder:
                 if req.get("guard", True):
                     held.guard(self.conn)
                 self.conn.execute(req["sql"], req.get("params"))
+            return {"ok": True}
+        if op == "candidate":
+            self.locks["candidate"] = candidate(req)
             return {"ok": True}
         if op == "soak":
             return soak(req)
