@@ -282,6 +282,69 @@ def race_once(dsn: str, name: str, n: int) -> tuple[list[int], list[Any], list[B
     return winners, losers, others
 
 
+# --- T13 ---------------------------------------------------------------------------------------
+
+
+def test_T13_lease_expiry_uses_the_database_clock_not_now(leases_db: Cluster, name: str) -> None:
+    """A grant made inside a transaction that began 1.5 s earlier: expires_at is ttl after
+    clock_timestamp(), not after now() (frozen at the transaction start), so the lease is not
+    born partly expired. Asserted on the database clock only."""
+    with psycopg.connect(leases_db.dsn()) as c:
+        c.execute("SELECT pg_sleep(1.5)")
+        row = c.execute(
+            "SELECT granted, acquired_at, expires_at, expires_at - clock_timestamp(),"
+            " acquired_at - now() FROM pglock.acquire(%s, %s, %s)",
+            (name, "t13-holder", 2.0),
+        ).fetchone()
+        assert row is not None
+        granted, _acquired, _expires, left, after_start = row
+        assert granted
+        assert after_start.total_seconds() >= 1.5  # granted on the current clock
+        assert left.total_seconds() > 1.9  # a full TTL ahead, not 2 - 1.5
+        c.rollback()
+
+
+# --- T28 (search_path hijack) -----------------------------------------------------------------
+
+
+def test_T28_search_path_hijack_is_harmless(
+    leases_db: Cluster, app_name: str, name: str, obs: psycopg.Connection[Any]
+) -> None:
+    """Shadowing objects planted in public and pg_temp, and a search_path that puts them
+    first: lease operations still use the pglock schema's own objects."""
+    from psycopg_pool import ConnectionPool
+
+    obs.execute("CREATE TABLE IF NOT EXISTS public.lease (name text, holder text, token bigint)")
+    obs.execute("CREATE SEQUENCE IF NOT EXISTS public.lease_token")
+
+    def plant(conn: psycopg.Connection[Any]) -> None:
+        conn.execute("CREATE TEMP TABLE IF NOT EXISTS lease (name text, holder text, token bigint)")
+        conn.execute("SET search_path = pg_temp, public, pglock")
+        conn.commit()
+
+    try:
+        with (
+            ConnectionPool(
+                leases_db.dsn(),
+                min_size=1,
+                max_size=2,
+                kwargs={"application_name": app_name, "autocommit": True},
+                configure=plant,
+            ) as pool,
+            pglock.lease(pool, name, ttl=5, timeout=0) as lease,
+        ):
+            assert lease.token > 0
+            row = info(obs, name)
+            assert row is not None and row.token == lease.token
+            with pool.connection() as c:
+                assert c.execute("SELECT count(*) FROM pg_temp.lease").fetchone() == (0,)
+        assert obs.execute("SELECT count(*) FROM public.lease").fetchone() == (0,)
+        assert obs.execute("SELECT is_called FROM public.lease_token").fetchone() == (False,)
+    finally:
+        obs.execute("DROP TABLE IF EXISTS public.lease")
+        obs.execute("DROP SEQUENCE IF EXISTS public.lease_token")
+
+
 # --- T14 (last: exhausts the sequence) ------------------------------------------------------
 
 
