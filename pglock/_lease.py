@@ -233,7 +233,8 @@ def _execute(
     try:
         _count(kind)
         with conn.cursor() as cur:
-            cur.execute(query, params)
+            # Binary results for the keepalive's big batches (cheaper to parse).
+            cur.execute(query, params, binary=kind == "extend_many")
             return cur.fetchall() if cur.description is not None else []
     except psycopg.Error as exc:
         translated = _translate(exc, conn, schema)
