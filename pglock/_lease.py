@@ -617,6 +617,14 @@ class _Manager:
 
     def _keepalive(self) -> None:
         while True:
+            try:
+                self._keepalive_round()
+            except Exception:  # a bug here must not stop every renewal in the process
+                logger.exception("pglock's lease keepalive failed; it goes on")
+                time.sleep(0.1)
+
+    def _keepalive_round(self) -> None:
+        while True:
             lost: list[tuple[Lease, str]] = []
             batches: dict[tuple[Any, ...], list[Lease]] = {}
             with self.lock:
@@ -624,6 +632,8 @@ class _Manager:
                 wake_at = math.inf
                 due_groups: set[tuple[Any, ...]] = set()
                 for lease in self.leases:
+                    if lease._state != _HELD or lease._lost:
+                        continue  # being released, or lost: about to leave the set
                     if now >= lease._deadline:
                         lost.append((lease, "its TTL ran out before a renewal succeeded"))
                         continue
@@ -1000,8 +1010,15 @@ class Lease:
             timeout = 0.0
         with self._op:
             with self._lock:
-                if self._state == _HELD:
-                    raise RuntimeError(f"this lease handle for {self._name!r} is already held")
+                held = self._state == _HELD
+                valid = held and not self._lost and time.monotonic() < self._deadline
+            if valid:
+                raise RuntimeError(f"this lease handle for {self._name!r} is already held")
+            if held:
+                # A lost lease may be taken again without releasing it first.
+                self._lose("its TTL ran out before a renewal succeeded")
+                with self._lock:
+                    self._state = _NEW
             if self._resume:
                 self._do_resume()
                 return True

@@ -339,6 +339,17 @@ def test_keepalive_off_expiry_lets_another_holder_in_with_a_larger_token(
     assert row is not None and row[0] == new.holder and row[1] == new.token
     new.release()
 
+    # A lost handle can be taken again without a release first: a new grant.
+    again = pglock.lease(pool, f"{name}:again", ttl=0.3, keepalive=False)
+    again.acquire()
+    first_token = again.token
+    assert first_token is not None
+    sleep_until_expired(admin, f"{name}:again")
+    assert again.lost
+    assert again.acquire(timeout=5)
+    assert again.locked and again.token is not None and again.token > first_token
+    again.release()
+
 
 def test_server_side_loss_is_found_by_guard_and_extend(
     pool: ConnectionPool[Any], dsn: str, admin: psycopg.Connection[Any], name: str
