@@ -422,24 +422,24 @@ def _acquire(
     return granted
 
 
-def _prepare(conn: psycopg.Connection[Any], state: ConnState) -> Any:
+def _prepare(conn: psycopg.Connection[Any], state: ConnState, ctx: Context) -> Any:
     """Check the connection, flush deferred unlocks, probe the server once.
 
     Returns the transaction status pglock found (IDLE or INTRANS)."""
     status = _conn.check_usable(conn)
     if state.deferred or not state.probed:
-        _in_own_transaction(conn, status, lambda: _housekeeping(conn, state))
+        _in_own_transaction(conn, status, lambda: _housekeeping(conn, state, ctx))
     return status
 
 
-def _housekeeping(conn: psycopg.Connection[Any], state: ConnState) -> None:
+def _housekeeping(conn: psycopg.Connection[Any], state: ConnState, ctx: Context) -> None:
     if state.deferred:
         pending, state.deferred = state.deferred, []
         for k, shared in pending:
             _conn.run(conn, _sql.unlock([k], shared=shared))
         logger.info("released %d deferred advisory lock(s)", len(pending))
     if not state.probed:
-        _conn.probe(conn, state)
+        _conn.probe(conn, state, ctx)
 
 
 def _in_own_transaction(conn: psycopg.Connection[Any], status: Any, fn: Any) -> Any:
@@ -477,7 +477,7 @@ def _session_lock(
     shared: bool,
     timeout: float | None,
 ) -> bool:
-    status = _prepare(conn, state)
+    status = _prepare(conn, state, ctx)
     if state.pooler:
         raise _conn.pooler_error(state)
     try_ = timeout == 0
@@ -568,7 +568,8 @@ def _after_failed_session_lock(
         )
         if undone:
             logger.debug("undid %d lock(s) granted to a failed attempt", len(undone))
-    except psycopg.Error:
+    except (psycopg.Error, LockError):
+        # Never replace the error that made the attempt fail with one from the clean-up.
         logger.warning("could not clean up after a failed lock attempt", exc_info=True)
 
 
@@ -663,7 +664,7 @@ def _xact_acquire(
     state = _conn.state_for(conn)
     me = threading.current_thread()
     if not state.probed or state.deferred:
-        _housekeeping(conn, state)
+        _housekeeping(conn, state, Context(names, keys, timeout))
 
     with state.cond:
         foreign = {

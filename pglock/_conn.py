@@ -338,12 +338,12 @@ def forget(conn: psycopg.Connection[Any], *, lost: str | None = None) -> ConnSta
     return state
 
 
-def probe(conn: psycopg.Connection[Any], state: ConnState) -> None:
+def probe(conn: psycopg.Connection[Any], state: ConnState, ctx: Context | None = None) -> None:
     """Once per connection: refuse a hot standby, and note the backend pid.
 
     Run inside the caller's statement sequence (the caller handles the transaction).
     """
-    rows = run(conn, _sql.PROBE)
+    rows = run(conn, _sql.PROBE, ctx)
     in_recovery, pid, registry = rows[0]
     if in_recovery:
         raise UnsupportedServer(

@@ -265,14 +265,16 @@ def restore_timeouts(lock_timeout: str, statement_timeout: str) -> sql.Composed:
 
 
 def held_advisory(keys: Sequence[int], *, shared: bool) -> sql.Composed:
-    """The subset of ``keys`` this session holds in pg_locks in the given mode."""
+    """The subset of ``keys`` this session holds in pg_locks in the given mode.
+
+    A backend is connected to one database, so its pid alone identifies its locks: no lookup
+    of pg_database, a shared catalog whose lock would need a slot in a lock table that may be
+    full (this runs after "out of shared memory", among other failures)."""
     return sql.SQL(
         "SELECT k FROM unnest({keys}) AS k WHERE EXISTS ("
         " SELECT 1 FROM pg_catalog.pg_locks l"
         " WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid()"
         " AND l.granted AND l.objsubid = 1 AND l.mode = {mode}"
-        " AND l.database = (SELECT oid FROM pg_catalog.pg_database"
-        "                   WHERE datname = pg_catalog.current_database())"
         " AND ((l.classid::bigint << 32) | l.objid::bigint) = k)"
     ).format(keys=_keys_array(keys), mode=sql.Literal("ShareLock" if shared else "ExclusiveLock"))
 

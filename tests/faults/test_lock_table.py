@@ -12,7 +12,7 @@ full; the oracles filter pg_locks by pid for that reason.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -27,14 +27,6 @@ CLUSTER_SETTINGS = {"max_locks_per_transaction": 10, "max_connections": 10}
 
 Connect = Callable[..., psycopg.Connection[Any]]
 
-PARTIAL_BUG = (
-    "pglock bug: after a 53200 its clean-up query (unlock_if_held) reads pg_database, a shared "
-    "catalog that needs a lock-table slot, so it fails too; its LockTableFull escapes "
-    "_after_failed_session_lock (which only catches psycopg.Error), replaces the original "
-    "error, and leaves the keys granted before the failure held"
-)
-
-
 def fill(filler: psycopg.Connection[Any]) -> int:
     """Take session locks on 1, 2, 3, ... until the table is full; return how many are held."""
     with pytest.raises(psycopg.errors.OutOfMemory):
@@ -44,15 +36,6 @@ def fill(filler: psycopg.Connection[Any]) -> int:
     ).fetchone()
     assert row is not None
     return int(row[0])
-
-
-@pytest.fixture
-def full(cluster_connect: Connect) -> Iterator[tuple[psycopg.Connection[Any], int]]:
-    """A session holding as many advisory locks as the table takes; released afterwards."""
-    filler = cluster_connect()
-    n = fill(filler)
-    yield filler, n
-    filler.execute("SELECT pg_advisory_unlock_all()")
 
 
 def test_T24_lock_table_full(
@@ -98,25 +81,26 @@ def test_T24_lock_table_full(
     assert truth(obs, conn.info.backend_pid) == {}
 
 
-@pytest.mark.xfail(strict=True, reason=PARTIAL_BUG)
-def test_T24_error_names_the_lock(
-    cluster_connect: Connect, full: tuple[psycopg.Connection[Any], int], name: str
-) -> None:
-    conn = cluster_connect()
+def test_T24_error_names_the_lock(cluster_connect: Connect, name: str) -> None:
+    conn = cluster_connect()  # connect first: a new backend needs lock-table slots itself
     conn.execute("SELECT 1")
-    with pytest.raises(pglock.LockTableFull) as info:
-        pglock.pg_lock(conn, name).acquire()
-    assert info.value.name == name
-    assert isinstance(info.value.__cause__, psycopg.errors.OutOfMemory)
+    filler = cluster_connect()
+    fill(filler)
+    try:
+        with pytest.raises(pglock.LockTableFull) as info:
+            pglock.pg_lock(conn, name).acquire()
+        assert info.value.name == name
+        assert isinstance(info.value.__cause__, psycopg.errors.OutOfMemory)
+    finally:
+        filler.execute("SELECT pg_advisory_unlock_all()")
 
 
-@pytest.mark.xfail(strict=True, reason=PARTIAL_BUG)
 def test_T24_multi_name_lock_full_halfway_gives_back_what_it_took(
-    cluster_connect: Connect, full: tuple[psycopg.Connection[Any], int], name: str
+    cluster_connect: Connect, name: str
 ) -> None:
-    filler, _ = full
-    conn, obs = cluster_connect(), cluster_connect()
+    conn, obs, filler = cluster_connect(), cluster_connect(), cluster_connect()
     conn.execute("SELECT 1")
+    fill(filler)
     filler.execute("SELECT pg_advisory_unlock(k) FROM generate_series(1, 3) k")  # room for 3
     names = [f"{name}:{i}" for i in range(10)]
     try:
@@ -125,3 +109,4 @@ def test_T24_multi_name_lock_full_halfway_gives_back_what_it_took(
         assert truth(obs, conn.info.backend_pid) == {}  # all or nothing
     finally:
         conn.execute("SELECT pg_advisory_unlock_all()")  # do not leak into the leak check
+        filler.execute("SELECT pg_advisory_unlock_all()")
