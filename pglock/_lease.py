@@ -1284,6 +1284,14 @@ class Lease:
                 raise
             raise translated from exc
         if not (row and row[0]):
+            # Ask the lease's own source before declaring a loss: a connection to another
+            # database (with its own pglock schema) would not see this lease at all.
+            rows = self._source.run("info", self._schema, (self._name,))
+            if rows and rows[0][1] == self._holder and rows[0][2] == token:
+                raise InvalidConnectionState(
+                    f"guard(): this connection does not see lease {self._name!r}, which is "
+                    "still held: is it connected to the lease's database?"
+                )
             self._lose("guard found it no longer held (expired or taken over)", gen=gen)
             self._ensure_valid()
             raise LockLost(self._name, reason="guard found it no longer held")

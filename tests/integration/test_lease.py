@@ -641,6 +641,18 @@ def test_guard_needs_an_open_transaction_and_works_with_sqlalchemy(
         lease.guard(c)
 
 
+def test_guard_on_another_database_is_refused_without_losing_the_lease(
+    pool: ConnectionPool[Any], pg_dsn: str, app_name: str, name: str
+) -> None:
+    with pglock.lease(pool, name, ttl=30) as lease, lease_database(pg_dsn) as elsewhere:
+        with psycopg.connect(with_app(elsewhere, app_name)) as wrong:
+            with pytest.raises(pglock.InvalidConnectionState, match="database"):
+                lease.guard(wrong)
+            wrong.rollback()
+        lease.check()
+        assert lease.locked and not lease.lost
+
+
 # --- clocks ------------------------------------------------------------------------------------
 
 
