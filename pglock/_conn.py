@@ -146,11 +146,12 @@ def ensure_sqlalchemy_transaction(target: Target) -> None:
 
 def stable_status(conn: psycopg.Connection[Any]) -> TransactionStatus:
     """The transaction status once any statement another thread is running has finished."""
-    status = conn.info.transaction_status
+    # pgconn's raw status: conn.info builds a new ConnectionInfo on every access.
+    status = conn.pgconn.transaction_status
     if status == ACTIVE:
         with conn.lock:
-            status = conn.info.transaction_status
-    return status
+            status = conn.pgconn.transaction_status
+    return TransactionStatus(status)
 
 
 def check_usable(conn: psycopg.Connection[Any]) -> TransactionStatus:

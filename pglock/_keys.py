@@ -18,6 +18,7 @@ must fit :data:`MAX_NAME_BYTES`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 
@@ -65,6 +66,7 @@ def key(name: str) -> int:
     return _key(name)
 
 
+@functools.lru_cache(maxsize=4096)
 def _key(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big", signed=True)
 

@@ -54,6 +54,9 @@ class Registration:
         return bool(self.pairs)
 
 
+_NOTHING = Registration(None, ())
+
+
 def _database(conn: psycopg.Connection[Any]) -> tuple[Any, ...]:
     info = conn.info
     return (info.host, info.port, info.dbname)
@@ -74,7 +77,7 @@ def pending(
     so the registration may skip waiting for the WAL flush."""
     schema = state.registry
     if schema is None:
-        return Registration(None, ())
+        return _NOTHING
     db = _database(conn)
     with _lock:
         pairs = tuple(
