@@ -682,6 +682,23 @@ def _xact_acquire(
 
     try_ = timeout == 0
     ctx = Context(names, keys, timeout)
+    registering = _registry.pending(conn, state, keys, names)
+    if not timeout and len(keys) == 1 and not registering:
+        # The common case, in one pre-rendered round trip (see _sql.xact_one).
+        try:
+            rows = _conn.run(conn, _sql.xact_one(keys[0], shared=shared, try_=try_), ctx)
+        except BaseException as exc:
+            _undo_xact_attempt(conn)
+            if isinstance(exc, LockNotAcquired):
+                return False
+            raise
+        started, got = rows[0]
+        if try_ and not got:
+            return False
+        _record_xact(state, keys, me, started)
+        logger.debug("acquired transaction lock %r", names)
+        return True
+
     parts: list[sql.Composable] = [_sql.savepoint()]
     if timeout:
         parts += [_sql.current_timeouts(), _sql.set_local_timeouts(_ms(timeout))]
@@ -689,7 +706,6 @@ def _xact_acquire(
     # One round trip in the common cases: the savepoint can be released in the same batch
     # unless a partial multi-key try must be rolled back or SET LOCAL must be undone.
     released = not timeout and not (try_ and len(keys) > 1)
-    registering = _registry.pending(conn, state, keys, names)
     if released:
         parts.append(_sql.release_savepoint())
         if registering:
@@ -697,12 +713,7 @@ def _xact_acquire(
     try:
         results = _conn.run_all(conn, sql.SQL("; ").join(parts), ctx)
     except BaseException as exc:
-        _conn.recover_interrupted(conn)
-        if not (conn.closed or conn.broken):
-            try:
-                _conn.run(conn, _sql.rollback_to_savepoint())
-            except psycopg.Error:
-                logger.warning("could not roll back to pglock's savepoint", exc_info=True)
+        _undo_xact_attempt(conn)
         if isinstance(exc, LockNotAcquired):
             return False
         raise
@@ -719,11 +730,29 @@ def _xact_acquire(
             tail.append(_registry.statement(registering))
         _conn.run(conn, sql.SQL("; ").join(tail))
     _registry.mark(conn, registering)
-    started = results[-2][0][0]
+    _record_xact(state, keys, me, results[-2][0][0])
+    logger.debug("acquired transaction lock %r", names)
+    return True
+
+
+def _undo_xact_attempt(conn: psycopg.Connection[Any]) -> None:
+    """After a failed transaction-lock batch: back to the caller's transaction as it was."""
+    _conn.recover_interrupted(conn)
+    if conn.closed or conn.broken or conn.pgconn.transaction_status != INERROR:
+        return  # gone, or the batch ended before/after pglock's savepoint was open
+    try:
+        _conn.run(conn, _sql.rollback_to_savepoint())
+    except psycopg.Error:
+        logger.warning("could not roll back to pglock's savepoint", exc_info=True)
+
+
+def _record_xact(
+    state: ConnState, keys: Sequence[int], me: threading.Thread, started: Any
+) -> None:
+    """Note the keys this thread holds in the transaction that started at ``started``, and
+    forget those of transactions that have ended."""
     with state.cond:
         for k in [k for k, (_, s) in state.xact.items() if s != started]:
             del state.xact[k]
         for k in keys:
             state.xact[k] = (me, started)
-    logger.debug("acquired transaction lock %r", names)
-    return True

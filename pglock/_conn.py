@@ -186,7 +186,9 @@ class Context:
 
 
 def run(
-    conn: psycopg.Connection[Any], stmt: sql.Composed | sql.SQL, ctx: Context | None = None
+    conn: psycopg.Connection[Any],
+    stmt: sql.Composed | sql.SQL | bytes,
+    ctx: Context | None = None,
 ) -> list[tuple[Any, ...]]:
     """Execute ``stmt`` (one or several ``;``-joined statements) and return the rows of the
     last statement that returns rows."""
@@ -210,7 +212,9 @@ def run_one(
 
 
 def run_all(
-    conn: psycopg.Connection[Any], stmt: sql.Composed | sql.SQL, ctx: Context | None = None
+    conn: psycopg.Connection[Any],
+    stmt: sql.Composed | sql.SQL | bytes,
+    ctx: Context | None = None,
 ) -> list[list[tuple[Any, ...]]]:
     """Execute ``stmt`` and return the rows of every statement that returns rows, in order.
 

@@ -66,6 +66,27 @@ def _names_schema(privilege: str) -> sql.Composed:
     )
 
 
+# Transaction-level lock on one key in one round trip, inside a savepoint so a failure leaves
+# the caller's transaction usable, returning the transaction's start (pglock tells the caller's
+# transactions apart by it) and the lock result. Pre-rendered: only the int key varies, and
+# composing this with psycopg.sql on every call cost more CPU than the round trip.
+_XACT_ONE = {
+    flags: (
+        'SAVEPOINT "_pglock_acquire"; '
+        f"SELECT pg_catalog.transaction_timestamp(), pg_catalog.{func}(%d); "
+        'RELEASE SAVEPOINT "_pglock_acquire"'
+    )
+    for (xact, *mode), func in _LOCK_FUNCS.items()
+    if xact
+    for flags in [(mode[0], mode[1])]  # (shared, try)
+}
+
+
+def xact_one(key: int, *, shared: bool, try_: bool) -> bytes:
+    """See ``_XACT_ONE``; ``key`` goes in as a Python int, never as text from outside."""
+    return (_XACT_ONE[(shared, try_)] % int(key)).encode()
+
+
 PROBE = sql.SQL(
     "SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.pg_backend_pid(), {registry}"
 ).format(registry=_names_schema("INSERT"))

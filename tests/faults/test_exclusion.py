@@ -23,7 +23,7 @@ from .cluster import Cluster
 from .oracles import Oracle, Verdict, held_by_app
 from .procs import Holder
 
-CLUSTER_SETTINGS = {"max_connections": 100}
+CLUSTER_SETTINGS = {"max_connections": 200}  # semaphore holders add listener connections
 
 PROCS, THREADS, ITERATIONS = 8, 4, 25
 
