@@ -28,6 +28,7 @@ the caller's transaction. This module is the client around it:
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import logging
 import math
@@ -79,6 +80,8 @@ _EXPIRY_MARGIN = 0.002
 _LISTENER_IDLE = 30.0
 #: How often a listener looks up from its connection (idle check, stop requests).
 _LISTENER_TICK = 0.5
+#: The keepalive thread looks up at least this often (seconds), leases or not.
+_KEEPALIVE_TICK = 5.0
 #: Most idle connections pglock keeps per DSN string.
 _DSN_MAX_IDLE = 4
 
@@ -174,15 +177,18 @@ def _check_json_strings(value: object) -> None:
             stack.extend(v)
 
 
-_host: str | None = None
+_holder_prefix: tuple[int, str] | None = None
+_holder_count = itertools.count(1)
 
 
 def default_holder() -> str:
-    """A holder id unique to one :class:`Lease`: ``<host>:<pid>:<random hex>``."""
-    global _host
-    if _host is None:
-        _host = socket.gethostname()[:64]
-    return f"{_host}:{os.getpid()}:{uuid.uuid4().hex}"
+    """A holder id unique to one :class:`Lease`: ``<host>:<pid>:<random hex>-<n>`` (the random
+    part is drawn once per process, the counter makes each handle's id its own)."""
+    global _holder_prefix
+    pid = os.getpid()
+    if _holder_prefix is None or _holder_prefix[0] != pid:
+        _holder_prefix = (pid, f"{socket.gethostname()[:64]}:{pid}:{uuid.uuid4().hex[:16]}")
+    return f"{_holder_prefix[1]}-{next(_holder_count)}"
 
 
 # --- compiled statements (rendered once per schema; psycopg caches their parsing) ------------
@@ -235,7 +241,7 @@ def _execute(
         with conn.cursor() as cur:
             # Binary results for the keepalive's big batches (cheaper to parse).
             cur.execute(query, params, binary=kind == "extend_many")
-            return cur.fetchall() if cur.description is not None else []
+            return cur.fetchall()
     except psycopg.Error as exc:
         translated = _translate(exc, conn, schema)
         if translated is None:
@@ -461,10 +467,23 @@ def make_source(source: object) -> _Source:
 
 
 class _Ticket:
-    __slots__ = ("cond",)
+    """One waiter's place in a queue; its condition is made only if it has to wait."""
+
+    __slots__ = ("_cond", "lock")
 
     def __init__(self, lock: threading.Lock) -> None:
-        self.cond = threading.Condition(lock)
+        self.lock = lock
+        self._cond: threading.Condition | None = None
+
+    @property
+    def cond(self) -> threading.Condition:
+        if self._cond is None:
+            self._cond = threading.Condition(self.lock)
+        return self._cond
+
+    def notify(self) -> None:
+        if self._cond is not None:  # nobody waits on a condition that was never made
+            self._cond.notify()
 
 
 class _Queue:
@@ -481,7 +500,7 @@ class _Queue:
 
     def wake_head(self) -> None:
         if self.tickets:
-            self.tickets[0].cond.notify()
+            self.tickets[0].notify()
 
 
 class _Listener:
@@ -655,8 +674,11 @@ class _Manager:
                             lease._renewing = True
                             batches.setdefault(lease._group, []).append(lease)
                 if not lost and not batches:
+                    # Look up at least every few seconds, so that registering a lease due later
+                    # than that needs no wake-up (a thread switch per acquire otherwise).
+                    wake_at = min(wake_at, now + _KEEPALIVE_TICK)
                     self.next_wake = wake_at
-                    self.cond.wait(None if wake_at == math.inf else max(0.0, wake_at - now))
+                    self.cond.wait(max(0.0, wake_at - now))
                     self.next_wake = -math.inf  # awake: it rescans before sleeping again
                     continue
             for lease, reason in lost:
