@@ -80,6 +80,9 @@ _EXPIRY_MARGIN = 0.002
 _LISTENER_IDLE = 30.0
 #: How often a listener looks up from its connection (idle check, stop requests).
 _LISTENER_TICK = 0.5
+#: How many times a lease statement that failed with a serialization failure or a deadlock
+#: (possible under a REPEATABLE READ or SERIALIZABLE default isolation) is sent again.
+_RETRIES = 5
 #: The keepalive thread looks up at least this often (seconds), leases or not.
 _KEEPALIVE_TICK = 5.0
 #: Most idle connections pglock keeps per DSN string.
@@ -237,11 +240,21 @@ def _execute(
         conn.autocommit = True
         restore = True
     try:
-        _count(kind)
-        with conn.cursor() as cur:
-            # Binary results for the keepalive's big batches (cheaper to parse).
-            cur.execute(query, params, binary=kind == "extend_many")
-            return cur.fetchall()
+        for attempt in range(_RETRIES + 1):
+            _count(kind)
+            try:
+                with conn.cursor() as cur:
+                    # Binary results for the keepalive's big batches (cheaper to parse).
+                    cur.execute(query, params, binary=kind == "extend_many")
+                    return cur.fetchall()
+            except (pg_errors.SerializationFailure, pg_errors.DeadlockDetected):
+                # Under a REPEATABLE READ or SERIALIZABLE default isolation, concurrent lease
+                # statements can fail this way. Each is its own transaction, rolled back
+                # whole: sending it again is safe.
+                if attempt == _RETRIES or conn.info.transaction_status != TransactionStatus.IDLE:
+                    raise
+                time.sleep(random.uniform(0.001, 0.005) * (attempt + 1))
+        raise AssertionError("unreachable")
     except psycopg.Error as exc:
         translated = _translate(exc, conn, schema)
         if translated is None:
@@ -1117,9 +1130,11 @@ class Lease:
                         listener, created = mgr.listener(self._source, self._schema)
                         if created:
                             continue  # LISTEN is active now: look once more, then sleep
-                    wake_at = row[7] + _EXPIRY_MARGIN
                     if row[4] is not None and row[5] is not None:
-                        wake_at += max(0.0, (row[4] - row[5]).total_seconds())
+                        left = max(0.0, (row[4] - row[5]).total_seconds())
+                        wake_at = row[7] + left + _EXPIRY_MARGIN
+                    else:  # refused without a holder to wait for (contention): a short pause
+                        wake_at = row[7] + mgr.rng.uniform(0.005, 0.02)
                     if deadline is not None and time.monotonic() >= deadline:
                         return False
                 if local is None:

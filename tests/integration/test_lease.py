@@ -281,6 +281,65 @@ def test_32_threads_at_a_barrier_on_a_new_name_have_one_winner_20_rounds(
             winners[0].release()
 
 
+@pytest.mark.parametrize("isolation", ["repeatable read", "serializable"])
+def test_one_winner_and_handoffs_under_any_default_isolation(
+    dsn: str, admin: psycopg.Connection[Any], isolation: str
+) -> None:
+    # Lease statements run in their own transactions, at the server's default isolation:
+    # serialization failures are retried, and the grants stay exclusive.
+    options = "-c default_transaction_isolation=" + isolation.replace(" ", "\\ ")
+    kwargs = {"options": options}
+    with ConnectionPool(dsn, min_size=8, max_size=8, open=True, kwargs=kwargs) as pool:
+        pool.wait(timeout=30)
+        with pool.connection() as c:
+            assert c.execute("SHOW transaction_isolation").fetchone() == (isolation,)
+        for _ in range(5):
+            name = f"iso:{uuid.uuid4()}"
+            barrier = threading.Barrier(8)
+            results: list[Any] = [None] * 8
+
+            def worker(i: int, name: str = name, barrier: threading.Barrier = barrier,
+                       results: list[Any] = results) -> None:
+                try:
+                    lease = pglock.lease(pool, name, ttl=30, timeout=0, keepalive=False)
+                    barrier.wait(10)
+                    results[i] = lease.acquire() and lease
+                except BaseException as exc:
+                    results[i] = exc
+
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert not [r for r in results if isinstance(r, BaseException)], results
+            winners = [r for r in results if r]
+            assert len(winners) == 1
+            winners[0].release()
+
+        # Blocking waiters and handoffs, with a lost-update check.
+        name = f"iso:{uuid.uuid4()}"
+        seen: list[int] = []
+        errors: list[BaseException] = []
+
+        def cycle() -> None:
+            try:
+                for _ in range(10):
+                    with pglock.lease(pool, name, ttl=30, timeout=30) as lease:
+                        assert lease.token is not None
+                        seen.append(lease.token)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=cycle) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert len(seen) == 40 and seen == sorted(seen) and len(set(seen)) == 40
+
+
 def test_lease_survives_the_callers_rollback(
     pool: ConnectionPool[Any], dsn: str, admin: psycopg.Connection[Any], name: str
 ) -> None:
