@@ -25,7 +25,12 @@ Connect = Callable[..., psycopg.Connection[Any]]
 
 class RecordingCursor(psycopg.Cursor[Any]):
     def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
-        text = query if isinstance(query, str) else query.as_string(self.connection)
+        if isinstance(query, bytes):
+            text = query.decode()
+        elif isinstance(query, str):
+            text = query
+        else:
+            text = query.as_string(self.connection)
         self.connection.sent.append(text)  # type: ignore[attr-defined]
         return super().execute(query, *args, **kwargs)
 
