@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TextIO
@@ -57,15 +58,20 @@ class DemoResult:
 @contextlib.contextmanager
 def embedded_server() -> Iterator[str]:
     """Start a throwaway Postgres from the ``pgserver`` package; yield its DSN."""
-    try:
-        import pgserver
-    except ImportError:
-        raise RuntimeError(
-            "the demo needs a Postgres server: pass --dsn, or install the embedded server with "
-            "pip install 'pglock[embedded]'"
-        ) from None
     tmp = tempfile.mkdtemp(prefix="pglock-demo-")
-    server = pgserver.get_server(tmp, cleanup_mode="stop")  # type: ignore[attr-defined]
+    with warnings.catch_warnings():
+        # pgserver asks platformdirs for a runtime directory, which warns when XDG_RUNTIME_DIR
+        # is unset (containers, CI); the fallback it uses is fine.
+        warnings.simplefilter("ignore")
+        try:
+            import pgserver
+        except ImportError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(
+                "the demo needs a Postgres server: pass --dsn, or install the embedded server "
+                "with pip install 'pglock[embedded]'"
+            ) from None
+        server = pgserver.get_server(tmp, cleanup_mode="stop")  # type: ignore[attr-defined]
     try:
         yield str(server.get_uri())
     finally:
@@ -122,6 +128,7 @@ def _run_phase(
             p.start()
         tty = out.isatty()
         next_mark = 0  # without a terminal, print a line at every quarter instead of redrawing
+        printed = ""
         while True:
             alive = any(p.is_alive() for p in procs)
             done, runs = conn.execute(
@@ -131,9 +138,10 @@ def _run_phase(
             if tty:
                 out.write("\r  " + line)
                 out.flush()
-            elif done >= next_mark or not alive:
+            elif (done >= next_mark or not alive) and line != printed:
                 out.write("  " + line + "\n")
                 out.flush()
+                printed = line
                 while next_mark <= done:
                     next_mark += max(1, jobs // 4)
             if not alive:
