@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
@@ -193,6 +193,89 @@ def test_1000_grants_from_4_threads_have_strictly_increasing_tokens(
     last_value, is_called = token_state(admin)
     assert is_called and last_value >= grants[-1]
     assert row_of(admin, name) is None
+
+
+def _first_grant_after_a_wait(
+    dsn: str,
+    admin: psycopg.Connection[Any],
+    app_name: str,
+    name: str,
+    attempt: Callable[[], int],
+) -> tuple[int, int]:
+    """Make ``attempt`` (a first grant of ``name`` on a connection carrying ``app_name``) wait
+    on a transaction that holds an uncommitted grant of ``name``, and, while it waits, grant
+    and release the name once more in that transaction, then commit. Returns (the token that
+    transaction granted last, the token ``attempt`` got)."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["token"] = attempt()
+        except BaseException as exc:  # surfaced below
+            result["error"] = exc
+
+    with psycopg.connect(dsn) as x:
+        first = x.execute("SELECT token FROM pglock.acquire(%s, 'x1', 30)", (name,)).fetchone()
+        assert first is not None
+        thread = threading.Thread(target=run)
+        thread.start()
+        try:
+            # Shown, not assumed: the attempt's insert waits for x's transaction.
+            waiting = wait_until(
+                lambda: admin.execute(
+                    "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+                    " AND wait_event_type = 'Lock' AND %s = ANY(pg_blocking_pids(pid))",
+                    (app_name, x.info.backend_pid),
+                ).fetchall(),
+                10,
+            )
+            assert waiting, backends(admin, app_name)
+            x.execute("SELECT pglock.release(%s, 'x1', %s)", (name, first[0]))
+            row = x.execute("SELECT token FROM pglock.acquire(%s, 'x2', 30)", (name,)).fetchone()
+            assert row is not None and row[0] > first[0]
+            x.execute("SELECT pglock.release(%s, 'x2', %s)", (name, row[0]))
+            x.commit()
+        finally:
+            thread.join(10)
+    assert "error" not in result, result
+    return row[0], result["token"]
+
+
+def test_a_first_grant_that_waited_gets_a_token_above_every_earlier_grant(
+    dsn: str, admin: psycopg.Connection[Any], app_name: str, name: str
+) -> None:
+    # A first acquire that waits in its insert for another session's transaction, which grants
+    # and releases the name meanwhile: the token is drawn after the wait, so it is larger.
+    def acquire() -> int:
+        lease = pglock.lease(dsn, name, ttl=30, timeout=0, keepalive=False)
+        assert lease.acquire()
+        assert lease.token is not None
+        token = lease.token
+        lease.release()
+        return token
+
+    granted_before, token = _first_grant_after_a_wait(dsn, admin, app_name, name, acquire)
+    assert token > granted_before
+
+    # Negative control: the same schedule with the token drawn in the INSERT itself (as the
+    # acquire function did before) hands out a token smaller than the earlier grant's.
+    other = f"{name}:control"
+
+    def old_insert() -> int:
+        with psycopg.connect(dsn, autocommit=True) as c:
+            row = c.execute(
+                "INSERT INTO pglock.lease (name, holder, token, acquired_at, expires_at)"
+                " VALUES (%s, 'old', nextval('pglock.lease_token'), clock_timestamp(),"
+                " clock_timestamp() + interval '30 s') ON CONFLICT (name) DO NOTHING"
+                " RETURNING token",
+                (other,),
+            ).fetchone()
+            assert row is not None
+            c.execute("DELETE FROM pglock.lease WHERE name = %s", (other,))
+            return int(row[0])
+
+    granted_before, token = _first_grant_after_a_wait(dsn, admin, app_name, other, old_insert)
+    assert token < granted_before
 
 
 def test_mutual_exclusion_lost_update_oracle_with_negative_control(

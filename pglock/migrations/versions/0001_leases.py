@@ -7,7 +7,9 @@ Objects, all in the pglock schema (default ``pglock``):
 
 * ``schema_revision``: which pglock revisions are installed (also written by ``pglock install``);
 * ``lease_token``: the fencing-token sequence (bigint, NO CYCLE, no per-session cache, so tokens
-  rise in the order they are handed out);
+  rise in the order they are drawn). ``acquire`` draws a token only while its transaction holds
+  the lease row (a row it inserted, or one it locked FOR UPDATE), so per name every grant's token
+  is larger than every token granted before it;
 * ``lease``: one row per lease name (``name`` is the primary key: every lookup is a primary-key
   lookup, so cost does not grow with the table); no other index, so renewals are HOT updates;
 * functions ``acquire``, ``extend``, ``extend_many``, ``release``, ``guard``, ``info`` and
@@ -96,14 +98,26 @@ BEGIN
          WHERE l.name = p_name;
 
         IF NOT FOUND THEN
-            -- Free: a new grant. A concurrent first acquire of the same name makes this
-            -- insert wait for it and then do nothing; the next round sees its row.
+            -- Free: a new grant. A concurrent first acquire (or an uncommitted release) of
+            -- the same name makes this insert wait for it; if its row stays, the insert does
+            -- nothing and the next round sees that row. The row goes in with a placeholder
+            -- token (0: the sequence starts at 1, and nobody else can see the row before this
+            -- transaction commits); the token is drawn only below, once the row is ours. A
+            -- token drawn in the INSERT itself would come before that wait, and could be
+            -- smaller than the token of a grant made and released meanwhile.
             v_now := clock_timestamp();
             INSERT INTO {s}.lease AS l (name, holder, token, acquired_at, expires_at, metadata)
-            VALUES (p_name, p_holder, nextval({seq}::regclass), v_now, v_now + v_ttl, p_metadata)
-            ON CONFLICT (name) DO NOTHING
-            RETURNING l.token, l.acquired_at, l.expires_at INTO v_token, v_acquired, v_expires;
+            VALUES (p_name, p_holder, 0, v_now, v_now + v_ttl, p_metadata)
+            ON CONFLICT (name) DO NOTHING;
             IF FOUND THEN
+                -- The clock is read again too: the insert may have waited.
+                v_now := clock_timestamp();
+                UPDATE {s}.lease AS l
+                   SET token = nextval({seq}::regclass), acquired_at = v_now,
+                       expires_at = v_now + v_ttl
+                 WHERE l.name = p_name
+                RETURNING l.token, l.acquired_at, l.expires_at
+                     INTO v_token, v_acquired, v_expires;
                 RETURN QUERY SELECT true, p_holder, v_token, v_acquired, v_expires, v_now;
                 RETURN;
             END IF;
