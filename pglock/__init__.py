@@ -13,11 +13,12 @@ from ._leader import LeaderElection, leader
 from ._lease import Lease, LeaseInfo, lease, lease_info, list_leases
 from ._pool import Locker, PoolLock, pool_lock, reset_connection
 from ._rwlock import RWLock, rwlock
-from ._semaphore import LimitMismatch, Permit, Semaphore, semaphore
+from ._semaphore import Permit, Semaphore, semaphore
 from ._singleton import Singleton, singleton
 from .errors import (
     DeadlockDetected,
     InvalidConnectionState,
+    LimitMismatch,
     LockError,
     LockLost,
     LockNotAcquired,

@@ -48,7 +48,7 @@ from ._keys import validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, validate_schema
 from .errors import (
     InvalidConnectionState,
-    LockError,
+    LimitMismatch,
     LockLost,
     LockNotAcquired,
     SchemaNotInstalled,
@@ -81,30 +81,6 @@ def semaphore_channel(schema: str) -> str:
     Postgres's 63-byte identifiers). Must match revision ``pglock_0002``."""
     suffix = "_semaphore"
     return schema[: 63 - len(suffix)] + suffix
-
-
-class LimitMismatch(LockError, ValueError):
-    """The semaphore exists in the database with another limit than the one passed.
-
-    The first acquire stores a semaphore's limit; every later caller must pass the same, so
-    that two deployments can never disagree silently about how many may run at once. Change a
-    limit on purpose with ``UPDATE <schema>.semaphore SET max_permits = ... WHERE name = ...``.
-
-    :ivar name: the semaphore name.
-    :ivar limit: the limit this caller passed.
-    :ivar stored_limit: the limit stored in the database (None if it could not be read).
-    """
-
-    def __init__(self, name: str, *, limit: int, stored_limit: int | None) -> None:
-        self.name = name
-        self.limit = limit
-        self.stored_limit = stored_limit
-        stored = "another limit" if stored_limit is None else f"limit {stored_limit}"
-        super().__init__(
-            f"semaphore {name!r} is stored with {stored}, but this caller passed limit={limit}; "
-            "every user of a semaphore must pass the same limit (to change it on purpose, "
-            "update max_permits in the semaphore table of the pglock schema)"
-        )
 
 
 # --- validation ----------------------------------------------------------------------------------

@@ -11,7 +11,8 @@
           ├── LockTableFull              Postgres's shared lock table is exhausted (53200)
           ├── InvalidConnectionState     the connection cannot take this lock now (closed,
           │                              failed transaction, no transaction for a xact lock)
-          ├── UnsupportedServer          a hot standby, or a transaction-mode pooler in between
+          ├── UnsupportedServer          a hot standby, or a connection pooler in between
+          ├── LimitMismatch              also a ValueError: a semaphore's stored limit differs
           └── SchemaNotInstalled         the lease schema is missing; the message gives the fix
 
 Bad arguments raise the builtins ``ValueError`` and ``TypeError`` before any SQL is sent.
@@ -143,6 +144,30 @@ class UnsupportedServer(LockError):
         super().__init__(message)
 
 
+class LimitMismatch(LockError, ValueError):
+    """The semaphore exists in the database with another limit than the one passed.
+
+    The first acquire stores a semaphore's limit; every later caller must pass the same, so
+    that two deployments can never disagree silently about how many may run at once. Change a
+    limit on purpose with ``UPDATE <schema>.semaphore SET max_permits = ... WHERE name = ...``.
+
+    :ivar name: the semaphore name.
+    :ivar limit: the limit this caller passed.
+    :ivar stored_limit: the limit stored in the database (None if it could not be read).
+    """
+
+    def __init__(self, name: str, *, limit: int, stored_limit: int | None) -> None:
+        self.name = name
+        self.limit = limit
+        self.stored_limit = stored_limit
+        stored = "another limit" if stored_limit is None else f"limit {stored_limit}"
+        super().__init__(
+            f"semaphore {name!r} is stored with {stored}, but this caller passed limit={limit}; "
+            "every user of a semaphore must pass the same limit (to change it on purpose, "
+            "update max_permits in the semaphore table of the pglock schema)"
+        )
+
+
 class SchemaNotInstalled(LockError):
     """The pglock schema (lease table and functions) is not installed in this database.
 
@@ -164,6 +189,7 @@ class SchemaNotInstalled(LockError):
 __all__ = [
     "DeadlockDetected",
     "InvalidConnectionState",
+    "LimitMismatch",
     "LockError",
     "LockLost",
     "LockNotAcquired",
