@@ -8,7 +8,8 @@ the caller's transaction. This module is the client around it:
   own, checked out of the caller's ``psycopg_pool.ConnectionPool`` or SQLAlchemy ``Engine``, or
   of a small set of connections pglock keeps per DSN string. Never inside the caller's
   transaction: a lease taken there would be invisible to others until commit, and gone on
-  rollback.
+  rollback. A statement whose connection dies under it is sent once more on a live one (lease
+  statements are idempotent per holder).
 * **Client deadline.** A lease is believed held until ``send time of the last successful
   acquire/extend + ttl`` on ``time.monotonic()``: never longer than the server keeps it,
   whatever the two clocks say.
@@ -207,7 +208,11 @@ def _stmt(kind: str, schema: str) -> bytes:
 
 
 class _Source:
-    """Where lease statements run: each one on a connection of its own, in autocommit."""
+    """Where lease statements run: each one on a connection of its own, in autocommit.
+
+    A subclass says how to check a connection out (:meth:`_checkout`) and back in; :meth:`run`
+    is the one place lease statements are sent from.
+    """
 
     kind = "?"
 
@@ -217,12 +222,99 @@ class _Source:
     def run(
         self, kind: str, schema: str, params: tuple[Any, ...], timeout: float | None = None
     ) -> list[tuple[Any, ...]]:
-        """Send one lease statement and return its rows."""
+        """Send one lease statement and return its rows (see :meth:`run_once_more`)."""
+        return self.run_once_more(kind, schema, params, timeout)[0]
+
+    def run_once_more(
+        self, kind: str, schema: str, params: tuple[Any, ...], timeout: float | None = None
+    ) -> tuple[list[tuple[Any, ...]], bool]:
+        """Send one lease statement; return its rows and whether it was sent a second time.
+
+        A statement whose connection is lost under it (the error leaves the connection closed
+        or broken: its backend was terminated, the server restarted, the network dropped) is
+        sent once more, on a connection checked for life first. That is safe: every lease
+        statement is idempotent per holder (an acquire by the same holder re-enters keeping
+        the token; extend and release name the holder and the token), so a first attempt that
+        did commit before its connection died changes nothing but the answer of a release. A
+        failure of the second attempt is raised as it comes (a psycopg error, caused by the
+        first one, with a note on Python 3.11+).
+        """
+        conn, done = self._checkout(timeout, fresh=False)
+        try:
+            return _execute(conn, kind, schema, params), False
+        except psycopg.OperationalError as exc:
+            if not (conn.closed or conn.broken):
+                raise
+            first: psycopg.OperationalError = exc
+        finally:
+            done()
+        logger.warning(
+            "lease statement %r: the connection was lost (%s: %s); sending it once more on a "
+            "new connection",
+            kind, type(first).__name__, _first_line(first),
+        )
+        try:
+            conn, done = self._checkout(timeout, fresh=True)
+            try:
+                return _execute(conn, kind, schema, params), True
+            finally:
+                done()
+        except psycopg.Error as exc:
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(
+                    f"pglock: the lease statement {kind!r} lost its connection "
+                    f"({type(first).__name__}: {_first_line(first)}) and failed again on a new "
+                    f"connection of its {self.kind} source"
+                )
+            if exc.__cause__ is None:
+                raise exc from first
+            raise
+
+    def _checkout(
+        self, timeout: float | None, *, fresh: bool
+    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+        """A connection for one statement, and how to give it back (whatever its state).
+
+        :param fresh: after a lost connection: idle connections of the source may be dead
+            too, so hand out one that answered an empty statement (or a new one).
+        """
         raise NotImplementedError
 
     def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
         """A new autocommit connection of its own, and how to close it."""
         raise NotImplementedError
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().split("\n", 1)[0]
+
+
+def _alive(conn: psycopg.Connection[Any]) -> bool:
+    """Does ``conn`` answer an empty statement? (One round trip; the transaction state is
+    left as it was, as psycopg_pool's ``check_connection`` does.)"""
+    if conn.closed or conn.broken:
+        return False
+    _count("ping")
+    try:
+        if conn.autocommit or conn.info.transaction_status != TransactionStatus.IDLE:
+            conn.execute(b"")
+        else:
+            conn.autocommit = True
+            try:
+                conn.execute(b"")
+            finally:
+                if not (conn.closed or conn.broken):
+                    conn.autocommit = False
+    except psycopg.OperationalError:
+        if conn.closed or conn.broken:
+            return False
+        raise
+    return True
+
+
+#: After a lost connection, how many connections of a pool or an engine are tried at most
+#: (each one pinged) before the statement is sent on the last one anyway.
+_MAX_PINGS = 32
 
 
 def _execute(
@@ -306,14 +398,24 @@ class _PoolSource(_Source):
         super().__init__(("pool", id(pool)))
         self.pool = pool
 
-    def run(
-        self, kind: str, schema: str, params: tuple[Any, ...], timeout: float | None = None
-    ) -> list[tuple[Any, ...]]:
-        conn = self.pool.getconn(timeout=timeout)
-        try:
-            return _execute(conn, kind, schema, params)
-        finally:
-            self.pool.putconn(conn)
+    def _checkout(
+        self, timeout: float | None, *, fresh: bool
+    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+        pool = self.pool
+        # The pool discards a connection given back closed or broken, and opens another.
+        tries = min(_MAX_PINGS, int(getattr(pool, "max_size", 1) or 1) + 1) if fresh else 1
+        for attempt in range(tries):
+            conn: psycopg.Connection[Any] = pool.getconn(timeout=timeout)
+            if attempt == tries - 1:
+                break
+            try:
+                if _alive(conn):
+                    break
+            except BaseException:
+                pool.putconn(conn)
+                raise
+            pool.putconn(conn)
+        return conn, lambda: pool.putconn(conn)
 
     def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
         pool = self.pool
@@ -331,19 +433,28 @@ class _EngineSource(_Source):
         super().__init__(("engine", id(engine)))
         self.engine = engine
 
-    def run(
-        self, kind: str, schema: str, params: tuple[Any, ...], timeout: float | None = None
-    ) -> list[tuple[Any, ...]]:
-        raw = self.engine.raw_connection()
-        conn = raw.driver_connection
-        try:
-            return _execute(conn, kind, schema, params)
-        except BaseException:
-            if conn.closed or conn.broken:
-                raw.invalidate()
-            raise
-        finally:
-            raw.close()
+    def _checkout(
+        self, timeout: float | None, *, fresh: bool
+    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+        tries = 1
+        if fresh:
+            # Idle connections that may be dead, plus a new one.
+            checkedin = getattr(self.engine.pool, "checkedin", None)
+            idle = checkedin() if callable(checkedin) else 0
+            tries = min(_MAX_PINGS, int(idle) + 1)
+        for attempt in range(tries):
+            raw = self.engine.raw_connection()
+            conn: psycopg.Connection[Any] = raw.driver_connection
+            if attempt == tries - 1:
+                break
+            try:
+                if _alive(conn):
+                    break
+            except BaseException:
+                _engine_checkin(raw, conn)
+                raise
+            _engine_checkin(raw, conn)
+        return conn, lambda: _engine_checkin(raw, conn)
 
     def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
         raw = self.engine.raw_connection()
@@ -359,6 +470,12 @@ class _EngineSource(_Source):
         return conn, raw.close
 
 
+def _engine_checkin(raw: Any, conn: psycopg.Connection[Any]) -> None:
+    if conn.closed or conn.broken:
+        raw.invalidate()  # SQLAlchemy's pool forgets it and opens another when needed
+    raw.close()
+
+
 class _DsnSource(_Source):
     """A few autocommit connections pglock opens for a DSN string, reused, closed at exit."""
 
@@ -370,7 +487,11 @@ class _DsnSource(_Source):
         self._idle: list[psycopg.Connection[Any]] = []
         self._lock = threading.Lock()
 
-    def _get(self) -> psycopg.Connection[Any]:
+    def _get(self, *, fresh: bool = False) -> psycopg.Connection[Any]:
+        if fresh:
+            # A connection was lost: the idle ones went the same way if the server restarted
+            # or the network dropped. Close them all (cheap) and open a new one.
+            self.close()
         with self._lock:
             while self._idle:
                 conn = self._idle.pop()
@@ -389,14 +510,11 @@ class _DsnSource(_Source):
                     return
         conn.close()
 
-    def run(
-        self, kind: str, schema: str, params: tuple[Any, ...], timeout: float | None = None
-    ) -> list[tuple[Any, ...]]:
-        conn = self._get()
-        try:
-            return _execute(conn, kind, schema, params)
-        finally:
-            self._put(conn)
+    def _checkout(
+        self, timeout: float | None, *, fresh: bool
+    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+        conn = self._get(fresh=fresh)
+        return conn, lambda: self._put(conn)
 
     def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
         conn = psycopg.connect(self.dsn, autocommit=True)
@@ -1189,7 +1307,7 @@ class Lease:
                 token = self._token
             mgr = _mgr()
             try:
-                rows = self._source.run(
+                rows, again = self._source.run_once_more(
                     "release", self._schema, (self._name, self._holder, token)
                 )
             except BaseException:
@@ -1206,6 +1324,13 @@ class Lease:
                 return
             if status == "expired":
                 reason = "it had expired before the release"
+            elif again:
+                # The first attempt may have deleted the row before its connection died.
+                reason = (
+                    "the release was sent again after its connection was lost, and the lease "
+                    "was not held any more: the first attempt may have released it, or it "
+                    "had expired and been taken over"
+                )
             elif not was_lost:
                 reason = "it was no longer held by this holder (expired and taken over)"
             raise LockLost(self._name, reason=reason)

@@ -37,12 +37,6 @@ CLUSTER_SETTINGS = {"synchronous_commit": "on", "max_connections": 80}
 
 BIGINT_MAX = 9223372036854775807
 
-DEAD_SOURCE_BUG = (
-    "pglock bug: a DSN source reuses an idle connection whose backend was terminated (or "
-    "restarted); the next lease statement raises a raw psycopg error (AdminShutdown / "
-    "OperationalError) instead of reconnecting (safe: the statement was never accepted)"
-)
-
 
 @pytest.fixture(scope="module")
 def leases_db(cluster: Cluster) -> Cluster:
@@ -106,7 +100,6 @@ def test_T02_killed_lease_holder_held_until_expiry_then_larger_token(
 # --- T03 ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=DEAD_SOURCE_BUG)
 def test_T03_terminated_lease_connections(
     dsn: str, app_name: str, name: str, obs: psycopg.Connection[Any], bounds: Bounds
 ) -> None:
@@ -200,7 +193,6 @@ def test_T12_leases_survive_restart_and_tokens_never_go_back(
     # The first lease is left to expire (its source's connections died with the server).
 
 
-@pytest.mark.xfail(strict=True, reason=DEAD_SOURCE_BUG)
 def test_T12_lease_renewal_after_restart_reconnects(
     leases_db: Cluster, dsn: str, name: str, bounds: Bounds
 ) -> None:
