@@ -85,7 +85,12 @@ def _embedded() -> Iterator[str]:
     import pgserver
 
     tmp = tempfile.mkdtemp(prefix="pglock-pg-")
-    server = pgserver.get_server(tmp, cleanup_mode="stop")
+    # The server's Unix socket lives here: let other OS users reach it (the tests run pgbouncer
+    # and throwaway tools as the postgres user when they run as root).
+    os.chmod(tmp, 0o755)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
+        server = pgserver.get_server(tmp, cleanup_mode="stop")
     try:
         yield server.get_uri()
     finally:
