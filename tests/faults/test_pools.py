@@ -15,6 +15,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from _pgdb import sa_url
 
 import pglock
 
@@ -129,7 +130,7 @@ def test_T06_sqlalchemy_pool_release_on_checkin(
     sa = pytest.importorskip("sqlalchemy")
     from pglock.sqlalchemy import release_on_checkin
 
-    url = sa.engine.make_url(pg_dsn).set(drivername="postgresql+psycopg")
+    url = sa_url(pg_dsn)
     engine = sa.create_engine(
         url, connect_args={"application_name": app_name}, pool_size=1, max_overflow=0
     )

@@ -16,10 +16,10 @@ import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
+from _pgdb import with_params
 from psycopg import sql
 
 import pglock
@@ -112,12 +112,7 @@ def test_T26_injection_in_namespace_and_schema(
 
 def with_password(dsn: str, password: str) -> str:
     """The same DSN with a password (the test server trusts, so any password works)."""
-    parts = urlsplit(dsn)
-    host = parts.hostname or "127.0.0.1"
-    port = f":{parts.port}" if parts.port else ""
-    user = parts.username or "postgres"
-    netloc = f"{user}:{password}@{host}{port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    return with_params(dsn, password=password)
 
 
 def test_security_no_password_in_logs_or_errors(

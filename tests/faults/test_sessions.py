@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from _pgdb import sa_url
 from psycopg import errors as pg_errors
 from psycopg import sql
 from psycopg.pq import TransactionStatus
@@ -99,7 +100,7 @@ def test_T07_sqlalchemy_begin_nested(
     sa = pytest.importorskip("sqlalchemy")
     from sqlalchemy.orm import Session
 
-    url = sa.engine.make_url(pg_dsn).set(drivername="postgresql+psycopg")
+    url = sa_url(pg_dsn)
     engine = sa.create_engine(
         url, connect_args={"application_name": app_name}, poolclass=sa.NullPool
     )
@@ -133,7 +134,7 @@ def test_T07_orm_session_ending_its_transaction_loses_the_lock_loudly(
     sa = pytest.importorskip("sqlalchemy")
     from sqlalchemy.orm import Session
 
-    url = sa.engine.make_url(pg_dsn).set(drivername="postgresql+psycopg")
+    url = sa_url(pg_dsn)
     engine = sa.create_engine(
         url, connect_args={"application_name": app_name}, poolclass=sa.NullPool
     )

@@ -13,6 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy as sa
+from _pgdb import sa_url
 
 import pglock
 from pglock import _conn
@@ -218,7 +219,7 @@ def wrong_conn(pg_dsn: str, app_name: str) -> Iterator[Callable[[str], tuple[obj
             cleanups.append(close_async)
             return ac, ac.info.backend_pid
         if kind == "engine":
-            url = sa.engine.make_url(pg_dsn).set(drivername="postgresql+psycopg")
+            url = sa_url(pg_dsn)
             eng = sa.create_engine(url, connect_args={"application_name": app_name})
             cleanups.append(eng.dispose)
             return eng, None

@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from _pgdb import throwaway_database
+from _pgdb import dbname_of, throwaway_database, with_db
 
 import pglock
 from pglock import cli
@@ -237,7 +237,7 @@ def test_unreachable_server_is_exit_1_with_one_line(dsn: str) -> None:
 
 
 def test_malformed_dsn_and_missing_database_are_exit_1(dsn: str) -> None:
-    for bad in ("this is not a dsn", dsn.replace("dbname=", "dbname=no_such_db_")):
+    for bad in ("this is not a dsn", with_db(dsn, "no_such_db_" + dbname_of(dsn))):
         proc = run_cli("status", "--dsn", bad)
         assert proc.returncode == 1, (bad, proc.stderr)
         assert_one_line_error(proc)

@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from _pgdb import throwaway_database
+from _pgdb import sa_url, throwaway_database
 from psycopg import sql
 
 import pglock
@@ -415,17 +415,7 @@ def test_sqlalchemy_session(reg_dsn: str, app_name: str) -> None:
     sa = pytest.importorskip("sqlalchemy")
     from sqlalchemy.orm import Session
 
-    params = psycopg.conninfo.conninfo_to_dict(reg_dsn)
-    engine = sa.create_engine(
-        sa.engine.URL.create(
-            "postgresql+psycopg",
-            username=params.get("user"),
-            host=params.get("host"),
-            port=int(params["port"]) if params.get("port") else None,
-            database=params.get("dbname"),
-            query={"application_name": app_name},
-        )
-    )
+    engine = sa.create_engine(sa_url(reg_dsn, application_name=app_name))
     name = uniq()
     try:
         with Session(engine) as session:

@@ -10,12 +10,13 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from _pgdb import sa_url
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
@@ -171,16 +172,7 @@ def make_source(kind: str, dsn: str) -> Iterator[Any]:
             yield pool
     else:
         sa = pytest.importorskip("sqlalchemy")
-        params = conninfo_to_dict(dsn)
-        url = sa.engine.URL.create(
-            "postgresql+psycopg",
-            username=params.get("user"),
-            host=params.get("host"),
-            port=int(params["port"]) if params.get("port") else None,
-            database=params.get("dbname"),
-            query={"application_name": str(params["application_name"])},
-        )
-        engine = sa.create_engine(url, pool_size=2, max_overflow=0)
+        engine = sa.create_engine(sa_url(dsn), pool_size=2, max_overflow=0)
         try:
             yield engine
         finally:
@@ -203,7 +195,7 @@ def test_lease_statements_replace_a_terminated_connection_once(
         lease = pglock.lease(source, name, ttl=30, keepalive=False)
         assert lease.acquire(timeout=0)
         token = lease.token
-        ops = [
+        ops: list[tuple[str, Callable[[], object]]] = [
             ("extend", lease.extend),
             ("acquire", lambda: pglock.lease(source, name, ttl=5).acquire(timeout=0)),
             ("acquire", lambda: _acquire_release(source, f"{name}:other")),
@@ -237,7 +229,7 @@ def test_a_failed_retry_is_raised_and_the_keepalive_loses_the_lease_at_its_deadl
 ) -> None:
     caplog.set_level(logging.INFO, logger="pglock.lease")
     with lease_database(pg_dsn) as db, psycopg.connect(pg_dsn, autocommit=True) as outside:
-        dbname = conninfo_to_dict(db)["dbname"]
+        dbname = str(conninfo_to_dict(db)["dbname"])
         dsn = with_app(db, app_name)
         lost = threading.Event()
         manual = pglock.lease(dsn, name, ttl=30, keepalive=False)

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import psycopg
+from _pgdb import throwaway_database
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from psycopg.conninfo import make_conninfo
 
-from pglock import _lease, _schema
+from pglock import _lease
 
 
 @contextlib.contextmanager
@@ -26,24 +26,11 @@ def lease_database(
     pg_dsn: str, *, install: bool = True, schemas: tuple[str, ...] = ("pglock",)
 ) -> Iterator[str]:
     """A new database next to ``pg_dsn``'s, with the schema(s) installed; dropped afterwards."""
-    dbname = f"pglock_lease_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(pg_dsn, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
-    params = conninfo_to_dict(pg_dsn)
-    params["dbname"] = dbname
-    dsn = make_conninfo(**params)
-    try:
-        if install:
-            for schema in schemas:
-                _schema.install(dsn, schema=schema)
-        yield dsn
-    finally:
-        _lease.shutdown()
-        with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            # FORCE ends sessions still connected: only this module's, the name is new.
-            admin.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname))
-            )
+    with throwaway_database(pg_dsn, prefix="pglock_lease", install=install, schemas=schemas) as d:
+        try:
+            yield d
+        finally:
+            _lease.shutdown()  # before the drop: no keepalive thread is left on the database
 
 
 def with_app(dsn: str, app_name: str) -> str:

@@ -13,7 +13,7 @@ import psycopg
 import psycopg_pool
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.engine import make_url
+from _pgdb import sa_url
 
 import pglock
 
@@ -247,7 +247,7 @@ def test_engine_locker_yields_sqlalchemy_connections(
     pg_dsn: str, app_name: str, other: psycopg.Connection[Any], ns: str
 ) -> None:
     engine = sa.create_engine(
-        make_url(pg_dsn).set(drivername="postgresql+psycopg"),
+        sa_url(pg_dsn),
         connect_args={"application_name": app_name},
     )
     try:
@@ -263,7 +263,7 @@ def test_engine_locker_yields_sqlalchemy_connections(
 
 
 def test_engine_with_another_driver_is_refused(pg_dsn: str) -> None:
-    engine = sa.create_engine(make_url(pg_dsn).set(drivername="postgresql+psycopg2"))
+    engine = sa.create_engine(sa_url(pg_dsn, "psycopg2"))
     try:
         with pytest.raises(TypeError, match="psycopg"):
             pglock.Locker(engine)

@@ -18,8 +18,8 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy as sa
+from _pgdb import sa_url
 from psycopg import sql
-from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import QueuePool
 
@@ -36,10 +36,6 @@ def advisory_held(observer: psycopg.Connection[Any], pid: int) -> list[tuple[int
         (pid,),
     ).fetchall()
     return [(k, m) for k, m in rows]
-
-
-def sa_url(dsn: str, driver: str = "psycopg") -> sa.URL:
-    return make_url(dsn).set(drivername=f"postgresql+{driver}")
 
 
 @pytest.fixture

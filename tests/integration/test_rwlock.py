@@ -12,6 +12,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from _pgdb import sa_url
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
@@ -308,7 +309,7 @@ def test_nesting(conn: psycopg.Connection[Any], pool: ConnectionPool[Any], name:
 
 def test_locker_namespace_and_engine(pg_dsn: str, app_name: str, connect: Connect) -> None:
     sa = pytest.importorskip("sqlalchemy")
-    url = pg_dsn.replace("postgresql://", "postgresql+psycopg://", 1)
+    url = sa_url(pg_dsn)
     engine = sa.create_engine(url, connect_args={"application_name": app_name})
     observer = connect()
     try:

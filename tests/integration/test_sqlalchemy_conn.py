@@ -13,7 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.engine import make_url
+from _pgdb import sa_url
 from sqlalchemy.orm import Session
 
 import pglock
@@ -32,11 +32,6 @@ def held(observer: psycopg.Connection[Any], pid: int) -> list[tuple[int, str]]:
 
 def xk(name: str) -> tuple[int, str]:
     return (pglock.key(name), "ExclusiveLock")
-
-
-def sa_url(pg_dsn: str, driver: str = "psycopg") -> sa.URL:
-    url = make_url(pg_dsn)
-    return url.set(drivername=f"postgresql+{driver}")
 
 
 def app_pids(observer: psycopg.Connection[Any], app_name: str) -> list[int]:

@@ -19,8 +19,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from _pgdb import sa_url, throwaway_database, with_params
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pglock
 from pglock import _lease, _schema
@@ -34,25 +34,18 @@ LEASE_FUNCTIONS = ("acquire", "extend", "extend_many", "guard", "info", "leases"
 
 @contextlib.contextmanager
 def empty_database(pg_dsn: str) -> Iterator[str]:
-    dbname = f"pglock_schema_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(pg_dsn, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
-    params = conninfo_to_dict(pg_dsn)
-    params["dbname"] = dbname
-    try:
-        yield make_conninfo(**params)
-    finally:
-        _lease.shutdown()
-        with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            admin.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname))
-            )
+    """A new, empty database next to the test one; its libpq DSN. Dropped afterwards."""
+    with throwaway_database(pg_dsn, prefix="pglock_schema") as dsn:
+        try:
+            yield dsn
+        finally:
+            _lease.shutdown()
 
 
 @pytest.fixture
 def db(pg_dsn: str, app_name: str) -> Iterator[str]:
     with empty_database(pg_dsn) as dsn:
-        yield make_conninfo(dsn, application_name=app_name)
+        yield with_params(dsn, application_name=app_name)
 
 
 def env() -> dict[str, str]:
@@ -235,11 +228,8 @@ def test_a_users_alembic_applies_pglock_with_version_locations(db: str, tmp_path
     (tmp_path / "migrations" / "versions").mkdir(parents=True)
     (tmp_path / "migrations" / "env.py").write_text(USER_ENV)
     (tmp_path / "migrations" / "versions" / "app_0001.py").write_text(USER_REVISION)
-    params = conninfo_to_dict(db)
-    url = (
-        f"postgresql+psycopg://{params.get('user', 'postgres')}@{params.get('host', 'localhost')}"
-        f":{params.get('port', 5432)}/{params['dbname']}"
-    )
+    # The test database's URL, a Unix-socket host included; ConfigParser needs "%" doubled.
+    url = sa_url(db).render_as_string(hide_password=False).replace("%", "%%")
     (tmp_path / "alembic.ini").write_text(
         textwrap.dedent(
             f"""

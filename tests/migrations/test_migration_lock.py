@@ -14,16 +14,15 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 import sqlalchemy as sa
+from _pgdb import sa_url, throwaway_database, with_params
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
-from sqlalchemy.engine import URL
 
 import pglock
 from pglock.alembic import migration_lock
@@ -32,33 +31,9 @@ PROJECT = Path(__file__).resolve().parent / "lock_project"
 Connect = Callable[..., psycopg.Connection[Any]]
 
 
-@contextlib.contextmanager
-def empty_database(pg_dsn: str) -> Iterator[str]:
+def empty_database(pg_dsn: str) -> contextlib.AbstractContextManager[str]:
     """A new, empty database next to the test one; its libpq DSN. Dropped afterwards."""
-    dbname = f"pglock_mig_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(pg_dsn, autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(dbname)))
-    params = conninfo_to_dict(pg_dsn)
-    params["dbname"] = dbname
-    try:
-        yield make_conninfo(**params)
-    finally:
-        with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            admin.execute(
-                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname))
-            )
-
-
-def sa_url(dsn: str) -> URL:
-    p = conninfo_to_dict(dsn)
-    return URL.create(
-        "postgresql+psycopg",
-        username=p.get("user"),
-        password=p.get("password"),
-        host=p.get("host"),
-        port=int(p["port"]) if p.get("port") else None,
-        database=p.get("dbname"),
-    )
+    return throwaway_database(pg_dsn, prefix="pglock_mig")
 
 
 def write_ini(tmp_path: Path, dsn: str) -> Path:
@@ -246,7 +221,7 @@ def test_blocking_waiter_stalls_create_index_concurrently_a_polling_one_does_not
                 try:
                     waiting.set()
                     with migration_lock(
-                        f"{pg_dsn}{'&' if '?' in pg_dsn else '?'}application_name={app_name}",
+                        with_params(pg_dsn, application_name=app_name),
                         name=name,
                         timeout=30,
                     ):
@@ -281,17 +256,14 @@ def holders(observer: psycopg.Connection[Any], name: str) -> list[int]:
 
 @pytest.fixture
 def app_dsn(pg_dsn: str, app_name: str) -> str:
-    params = conninfo_to_dict(pg_dsn)
-    params["application_name"] = app_name
-    return make_conninfo(**params)
+    return with_params(pg_dsn, application_name=app_name)
 
 
 @pytest.mark.parametrize("form", ["libpq", "url", "sa_url", "engine", "connection", "psycopg2"])
 def test_accepted_sources(
     form: str, app_dsn: str, other: psycopg.Connection[Any], name: str
 ) -> None:
-    app = conninfo_to_dict(app_dsn)["application_name"]
-    url = sa_url(app_dsn).update_query_dict({"application_name": app})
+    url = sa_url(app_dsn)  # application_name in its query string
     engine = None
     source: Any
     if form == "libpq":
