@@ -1,5 +1,8 @@
 """A small threaded TCP proxy on 127.0.0.1 for network faults between a client and Postgres.
 
+Upstream is a TCP address or, when ``upstream_host`` is a directory (libpq's convention), the
+Unix-domain socket ``<dir>/.s.PGSQL.<port>`` of a server that listens on a socket only.
+
 Modes (:meth:`Proxy.set_mode`, applied to every current and future connection):
 
 ``pass``
@@ -88,13 +91,13 @@ class _Pipe:
             return
         try:
             c_local, c_remote = netfilter.socket_ports(self.client)
-            s_local, s_remote = netfilter.socket_ports(self.server)
+            server_tcp = self.server.family != socket.AF_UNIX  # no packets to drop on a socket
+            s_local, s_remote = netfilter.socket_ports(self.server) if server_tcp else (0, 0)
         except OSError:
             return
-        self.blackholes = [
-            netfilter.Blackhole(c_remote, c_local).cut(),
-            netfilter.Blackhole(s_local, s_remote).cut(),
-        ]
+        self.blackholes = [netfilter.Blackhole(c_remote, c_local).cut()]
+        if server_tcp:
+            self.blackholes.append(netfilter.Blackhole(s_local, s_remote).cut())
 
     def heal(self) -> None:
         for b in self.blackholes:
@@ -118,6 +121,8 @@ class _Pipe:
 class Proxy:
     """Listen on a free 127.0.0.1 port and forward each connection to ``upstream_port``.
 
+    :param upstream_host: a TCP host, or a socket directory (an absolute path) for a server's
+        Unix-domain socket ``<dir>/.s.PGSQL.<upstream_port>``.
     :param kernel: in ``blackhole`` mode, also drop the packets in the kernel (needs root and
         iptables; see :func:`netfilter.available`).
     """
@@ -150,8 +155,7 @@ class Proxy:
             except OSError:
                 return
             try:
-                server = socket.create_connection(self.upstream, timeout=5)
-                server.settimeout(None)
+                server = self._connect_upstream()
             except OSError:
                 _rst_close(client)
                 continue
@@ -162,6 +166,21 @@ class Proxy:
             if self.mode == "blackhole" and self.kernel:
                 pipe.apply_kernel_blackhole()
             pipe.thread.start()
+
+    def _connect_upstream(self) -> socket.socket:
+        host, port = self.upstream
+        if host.startswith("/"):
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                server.settimeout(5)
+                server.connect(f"{host}/.s.PGSQL.{port}")
+            except OSError:
+                server.close()
+                raise
+        else:
+            server = socket.create_connection(self.upstream, timeout=5)
+        server.settimeout(None)
+        return server
 
     def set_mode(self, mode: str) -> None:
         if mode not in MODES:

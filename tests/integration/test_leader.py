@@ -233,6 +233,7 @@ def test_sources_carry_their_parameters(
     pg_dsn: str, app_name: str, name: str, elections: list[pglock.LeaderElection],
     conn: psycopg.Connection[Any],
 ) -> None:
+    from _pgdb import sa_url  # here: this module also runs as a candidate script
     from psycopg_pool import ConnectionPool
 
     sa = pytest.importorskip("sqlalchemy")
@@ -241,7 +242,7 @@ def test_sources_carry_their_parameters(
         open=True,
     )
     engine = sa.create_engine(
-        pg_dsn.replace("postgresql://", "postgresql+psycopg://", 1),
+        sa_url(pg_dsn),
         connect_args={"application_name": app_name},
     )
     try:
@@ -309,8 +310,11 @@ def test_silent_network_ends_the_term_and_nobody_else_leads(
 
     params = conninfo_to_dict(pg_dsn)
     upstream = int(params.get("port") or 5432)
+    # The server's TCP host, or its socket directory (the embedded server listens on a socket
+    # only): the proxy forwards to either, and the leader reaches the proxy over TCP.
+    upstream_host = str(params.get("host") or "127.0.0.1")
     lost = threading.Event()
-    with Proxy(upstream, upstream_host=str(params.get("host") or "127.0.0.1")) as proxy:
+    with Proxy(upstream, upstream_host=upstream_host) as proxy:
         via_proxy = make_conninfo(pg_dsn, host="127.0.0.1", hostaddr="127.0.0.1",
                                   port=proxy.port, application_name=app_name)
         a = candidate(elections, via_proxy, name, check_interval=0.3, network_timeout=1.0,
