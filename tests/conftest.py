@@ -84,10 +84,11 @@ def _container() -> Iterator[str]:
 def _embedded() -> Iterator[str]:
     import pgserver
 
+    # The data directory, which also holds the server's Unix socket (the server listens on no
+    # TCP port). initdb makes it mode 0700, owned (as root) by pgserver's own ``pgserver`` OS
+    # user: only that user and root reach the socket, so tests that run a tool as another OS
+    # user (pgbouncer) run it as the socket directory's owner.
     tmp = tempfile.mkdtemp(prefix="pglock-pg-")
-    # The server's Unix socket lives here: let other OS users reach it (the tests run pgbouncer
-    # and throwaway tools as the postgres user when they run as root).
-    os.chmod(tmp, 0o755)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # platformdirs warns when XDG_RUNTIME_DIR is unset
         server = pgserver.get_server(tmp, cleanup_mode="stop")

@@ -3,7 +3,9 @@
 The module starts its own PgBouncer (Debian's ``pgbouncer``; installed with apt-get when it is
 missing, and the tests are skipped, saying why, only if that fails) in transaction mode on a
 free loopback port, in front of the test server, with a throwaway config (``auth_type =
-trust``). As root it runs as the ``postgres`` OS user: PgBouncer refuses to run as root.
+trust``). As root it runs as another OS user, as PgBouncer refuses to run as root: the owner of
+the server's socket directory when the server listens on a Unix socket (the embedded server's
+data directory, mode 0700, holds its socket), else ``postgres``.
 
 Two pooled databases are configured: ``<db>`` with two server connections and ``<db>_one`` with
 a single one, where every client shares the same server session (the raw-failure companion
@@ -116,11 +118,16 @@ def _run_bouncer(pg_dsn: str, lease_db: str | None) -> Iterator[Bouncer]:
     db = server["dbname"]
     run_as: list[str] = []
     if os.geteuid() == 0:
+        user = "postgres"
+        if str(host).startswith("/"):  # a socket directory: only its owner may be able to enter
+            user = pwd.getpwuid(os.stat(host).st_uid).pw_name
         try:
-            pwd.getpwnam("postgres")
+            pwd.getpwnam(user)
         except KeyError:
-            pytest.skip("running as root and there is no 'postgres' OS user to run pgbouncer as")
-        run_as = ["runuser", "-u", "postgres", "--"]
+            pytest.skip(f"running as root and there is no {user!r} OS user to run pgbouncer as")
+        if user == "root":
+            pytest.skip("running as root and the server's socket directory belongs to root")
+        run_as = ["runuser", "-u", user, "--"]
     tmp = tempfile.mkdtemp(prefix="pglock-pgbouncer-")
     listen = _free_port()
     target = f"host={host} port={port} dbname={db}"
@@ -138,9 +145,9 @@ def _run_bouncer(pg_dsn: str, lease_db: str | None) -> Iterator[Bouncer]:
             f"logfile = {tmp}/pgbouncer.log\n"
         )
     if run_as:
-        shutil.chown(tmp, "postgres")
+        shutil.chown(tmp, run_as[2])
         for name in os.listdir(tmp):
-            shutil.chown(os.path.join(tmp, name), "postgres")
+            shutil.chown(os.path.join(tmp, name), run_as[2])
     proc = subprocess.Popen(
         [*run_as, exe, os.path.join(tmp, "pgbouncer.ini")],
         stdout=subprocess.DEVNULL,
