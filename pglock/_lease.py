@@ -82,7 +82,8 @@ _LISTENER_IDLE = 30.0
 #: How often a listener looks up from its connection (idle check, stop requests).
 _LISTENER_TICK = 0.5
 #: How many times a lease statement that failed with a serialization failure or a deadlock
-#: (possible under a REPEATABLE READ or SERIALIZABLE default isolation) is sent again.
+#: (possible under a REPEATABLE READ or SERIALIZABLE default isolation) is sent again (in an
+#: explicit READ COMMITTED transaction).
 _RETRIES = 5
 #: The keepalive thread looks up at least this often (seconds), leases or not.
 _KEEPALIVE_TICK = 5.0
@@ -331,21 +332,32 @@ def _execute(
             )
         conn.autocommit = True
         restore = True
+    # Binary results for the keepalive's big batches (cheaper to parse).
+    binary = kind == "extend_many"
     try:
         for attempt in range(_RETRIES + 1):
             _count(kind)
             try:
-                with conn.cursor() as cur:
-                    # Binary results for the keepalive's big batches (cheaper to parse).
-                    cur.execute(query, params, binary=kind == "extend_many")
-                    return cur.fetchall()
-            except (pg_errors.SerializationFailure, pg_errors.DeadlockDetected):
+                if attempt == 0:
+                    with conn.cursor() as cur:
+                        cur.execute(query, params, binary=binary)
+                        return cur.fetchall()
+                return _execute_read_committed(conn, query, params, binary)
+            except (pg_errors.SerializationFailure, pg_errors.DeadlockDetected) as exc:
                 # Under a REPEATABLE READ or SERIALIZABLE default isolation, concurrent lease
-                # statements can fail this way. Each is its own transaction, rolled back
-                # whole: sending it again is safe.
+                # statements fail this way (the functions are written for READ COMMITTED,
+                # where they follow concurrent changes). Each is its own transaction, rolled
+                # back whole: it is sent again at READ COMMITTED, where only a deadlock can
+                # fail it again. Retrying at the default level could fail every time under
+                # contention between processes.
                 if attempt == _RETRIES or conn.info.transaction_status != TransactionStatus.IDLE:
                     raise
-                time.sleep(random.uniform(0.001, 0.005) * (attempt + 1))
+                logger.debug(
+                    "lease statement %r: %s; sending it again at READ COMMITTED",
+                    kind, type(exc).__name__,
+                )
+                if attempt or isinstance(exc, pg_errors.DeadlockDetected):
+                    time.sleep(random.uniform(0.001, 0.005) * (attempt + 1))
         raise AssertionError("unreachable")
     except psycopg.Error as exc:
         translated = _translate(exc, conn, schema)
@@ -358,6 +370,36 @@ def _execute(
                 conn.autocommit = False
             except psycopg.Error:
                 logger.debug("could not restore autocommit=False", exc_info=True)
+
+
+def _execute_read_committed(
+    conn: psycopg.Connection[Any], query: bytes, params: tuple[Any, ...], binary: bool
+) -> list[tuple[Any, ...]]:
+    """``query`` in an explicit READ COMMITTED transaction on the autocommit ``conn``: three
+    round trips, only for a statement that already failed at the session's default level."""
+    _count("retry_read_committed")
+    conn.execute(_retry_sql("begin"))
+    try:
+        with conn.cursor() as cur:
+            cur.execute(query, params, binary=binary)
+            rows = cur.fetchall()
+        conn.execute(_retry_sql("commit"))
+        return rows
+    except BaseException:
+        if not (conn.closed or conn.broken) and (
+            conn.info.transaction_status != TransactionStatus.IDLE
+        ):
+            try:
+                conn.execute(_retry_sql("rollback"))
+            except psycopg.Error:
+                logger.debug("rolling back a lease retry failed", exc_info=True)
+        raise
+
+
+@lru_cache(maxsize=4)
+def _retry_sql(which: str) -> bytes:
+    stmt: sql.SQL = getattr(_sql, f"LEASE_RETRY_{which.upper()}")
+    return stmt.as_bytes(None)
 
 
 def _translate(exc: psycopg.Error, conn: psycopg.Connection[Any], schema: str) -> Exception | None:

@@ -531,6 +531,14 @@ def lease_list(schema: str) -> sql.Composed:
     ).format(sql.Identifier(schema))
 
 
+# A lease statement that failed with a serialization failure or a deadlock (possible under a
+# REPEATABLE READ or SERIALIZABLE default isolation) is sent again inside these: at READ
+# COMMITTED its row locks and reads see the latest commits, so it cannot fail that way again.
+LEASE_RETRY_BEGIN = sql.SQL("BEGIN ISOLATION LEVEL READ COMMITTED")
+LEASE_RETRY_COMMIT = sql.SQL("COMMIT")
+LEASE_RETRY_ROLLBACK = sql.SQL("ROLLBACK")
+
+
 def listen(channel: str) -> sql.Composed:
     """Subscribe to lease releases (release() notifies the channel named after the schema)."""
     return sql.SQL("LISTEN {}").format(sql.Identifier(channel))

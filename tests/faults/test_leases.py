@@ -208,25 +208,7 @@ def test_T12_lease_renewal_after_restart_reconnects(
 # --- T15 ---------------------------------------------------------------------------------------
 
 
-SERIALIZATION_BUG = (
-    "pglock bug: lease statements run in the server's default_transaction_isolation; at "
-    "REPEATABLE READ or SERIALIZABLE concurrent acquires raise a raw SerializationFailure "
-    "(40001) instead of being retried or run at READ COMMITTED"
-)
-
-
-@pytest.mark.parametrize(
-    "isolation",
-    [
-        "read committed",
-        pytest.param(
-            "repeatable read", marks=pytest.mark.xfail(strict=True, reason=SERIALIZATION_BUG)
-        ),
-        pytest.param(
-            "serializable", marks=pytest.mark.xfail(strict=True, reason=SERIALIZATION_BUG)
-        ),
-    ],
-)
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read", "serializable"])
 def test_T15_concurrent_first_acquire_has_one_winner(
     isolation: str, leases_db: Cluster, app_name: str, name: str
 ) -> None:

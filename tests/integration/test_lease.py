@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import random
 import shlex
 import subprocess
@@ -19,10 +20,12 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool
 from test_lease_support import (
@@ -421,6 +424,184 @@ def test_one_winner_and_handoffs_under_any_default_isolation(
             t.join(60)
         assert not errors, errors
         assert len(seen) == 40 and seen == sorted(seen) and len(set(seen)) == 40
+
+
+# One process of the cross-process handoff test: "ready", waits for "go" on stdin, then runs
+# `threads` threads of `cycles` blocking acquire/release cycles each, and prints JSON.
+_HANDOFF_PROCESS = """
+import json, sys, threading
+import pglock
+from pglock import _lease
+dsn, name, threads, cycles = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+tokens, errors = [], []
+def work():
+    for _ in range(cycles):
+        try:
+            with pglock.lease(dsn, name, ttl=10, timeout=60, keepalive=False) as lease:
+                tokens.append(lease.token)
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+print("ready", flush=True)
+sys.stdin.readline()
+ts = [threading.Thread(target=work) for _ in range(threads)]
+for t in ts:
+    t.start()
+for t in ts:
+    t.join(100)
+print(json.dumps({"tokens": tokens, "errors": errors,
+                  "retries": _lease.statements["retry_read_committed"]}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("isolation", ["repeatable read", "serializable"])
+def test_handoffs_between_processes_at_any_default_isolation(
+    dsn: str, isolation: str, name: str
+) -> None:
+    # Across processes, waiters and releases race on the lease row without pause: at these
+    # levels many lease statements fail with 40001 and are sent again at READ COMMITTED. Sent
+    # again at the default level instead, some failed every time and reached the caller (4 to 7
+    # of 600 cycles with 8 processes).
+    procs_n, threads, cycles = 6, 3, 20
+    source = make_conninfo(
+        dsn, options="-c default_transaction_isolation=" + isolation.replace(" ", "\\ ")
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(pglock.__file__).parents[1])}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _HANDOFF_PROCESS, source, name, str(threads), str(cycles)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+        )
+        for _ in range(procs_n)
+    ]
+    results = []
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for p in procs:
+            out, _ = p.communicate(timeout=100)
+            results.append(json.loads(out))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    errors = [e for r in results for e in r["errors"]]
+    tokens = [t for r in results for t in r["tokens"]]
+    assert errors == []
+    assert len(tokens) == procs_n * threads * cycles == len(set(tokens))
+    assert sum(r["retries"] for r in results) > 0  # the contention did reach the retry
+
+
+def _keep_changing_the_row(
+    dsn: str,
+    admin: psycopg.Connection[Any],
+    app_name: str,
+    name: str,
+    statement: Callable[[Callable[[], int]], Any],
+    max_rounds: int,
+) -> tuple[int, dict[str, Any]]:
+    """Run ``statement`` (on a connection carrying ``app_name``) in a thread while another
+    transaction keeps changing the lease row: it updates the row, waits until the statement
+    waits for it, commits and at once updates the row again, up to ``max_rounds`` times. At
+    REPEATABLE READ each wait ends in a serialization failure. ``statement`` is passed a
+    function that tells how many times the row has been locked so far. Returns (rounds the
+    statement waited, {"result": ...} or {"error": ...})."""
+    out: dict[str, Any] = {}
+    done = threading.Event()
+    locks = [0]
+
+    def run() -> None:
+        try:
+            out["result"] = statement(lambda: locks[0])
+        except BaseException as exc:  # surfaced by the caller
+            out["error"] = exc
+        finally:
+            done.set()
+
+    change = "UPDATE pglock.lease SET metadata = metadata WHERE name = %s"
+    rounds = 0
+    with psycopg.connect(dsn) as x:
+        x.execute(change, (name,))
+        locks[0] += 1
+        thread = threading.Thread(target=run)
+        thread.start()
+        try:
+            while rounds < max_rounds:
+                waiting = wait_until(
+                    lambda: done.is_set()
+                    or admin.execute(
+                        "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+                        " AND wait_event_type = 'Lock' AND %s = ANY(pg_blocking_pids(pid))",
+                        (app_name, x.info.backend_pid),
+                    ).fetchall(),
+                    10,
+                )
+                if done.is_set() or not waiting:
+                    break
+                rounds += 1
+                x.commit()
+                x.execute(change, (name,))
+                locks[0] += 1
+            x.commit()
+        finally:
+            thread.join(20)
+    assert done.is_set()
+    return rounds, out
+
+
+def test_a_serialization_failure_is_sent_again_at_read_committed(
+    dsn: str, admin: psycopg.Connection[Any], app_name: str, name: str
+) -> None:
+    # At a REPEATABLE READ default, a renewal that waited for a concurrent change of its row
+    # fails with 40001; sent again at the same level it would fail again for as long as the
+    # row keeps changing (the control below). pglock sends it again at READ COMMITTED, where
+    # it waits for the change and goes through.
+    rr = make_conninfo(dsn, options="-c default_transaction_isolation=repeatable\\ read")
+    lease = pglock.lease(rr, name, ttl=30, keepalive=False)
+    assert lease.acquire(timeout=0)
+    token = lease.token
+    before = _lease.statements["retry_read_committed"]
+    rounds, out = _keep_changing_the_row(
+        dsn, admin, app_name, name, lambda _locks: lease.extend(), 8
+    )
+    assert "error" not in out, out
+    assert 1 <= rounds <= 2
+    assert _lease.statements["retry_read_committed"] - before == 1
+    lease.check()
+    row = row_of(admin, name)
+    assert row is not None and (row[0], row[1]) == (lease.holder, token)
+
+    # Negative control: the same renewal sent again at REPEATABLE READ fails every time.
+    with psycopg.connect(rr, autocommit=True) as c:
+        assert c.execute("SHOW transaction_isolation").fetchone() == ("repeatable read",)
+
+        def extend_at_repeatable_read(locks: Callable[[], int]) -> int:
+            failures = 0
+            for attempt in range(3):
+                # Each attempt meets a new change of the row (a bounded wait for it).
+                def relocked(n: int = attempt) -> bool:
+                    return locks() > n
+
+                assert wait_until(relocked, 10)
+                try:
+                    c.execute(
+                        "SELECT * FROM pglock.extend(%s, %s, %s, 30)",
+                        (name, lease.holder, token),
+                    )
+                    return failures
+                except psycopg.errors.SerializationFailure:
+                    failures += 1
+            return failures
+
+        rounds, out = _keep_changing_the_row(
+            dsn, admin, app_name, name, extend_at_repeatable_read, 3
+        )
+    assert rounds == 3 and out == {"result": 3}
+    lease.release()
 
 
 def test_lease_survives_the_callers_rollback(
