@@ -313,6 +313,8 @@ def _alive(conn: psycopg.Connection[Any]) -> bool:
     return True
 
 
+#: The shortest wait for a pool connection (seconds), whatever time the caller has left.
+_MIN_CHECKOUT = 0.05
 #: After a lost connection, how many connections of a pool or an engine are tried at most
 #: (each one pinged) before the statement is sent on the last one anyway.
 _MAX_PINGS = 32
@@ -444,6 +446,11 @@ class _PoolSource(_Source):
         self, timeout: float | None, *, fresh: bool
     ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
         pool = self.pool
+        if timeout is not None:
+            # A waiter's last look passes the sliver of time it has left; psycopg_pool
+            # refuses a checkout outright once its timeout is spent, even with a connection
+            # idle (PoolTimeout instead of an answer).
+            timeout = max(timeout, _MIN_CHECKOUT)
         # The pool discards a connection given back closed or broken, and opens another.
         tries = min(_MAX_PINGS, int(getattr(pool, "max_size", 1) or 1) + 1) if fresh else 1
         for attempt in range(tries):

@@ -27,7 +27,7 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 from psycopg.pq import TransactionStatus
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 from test_lease_support import (
     backends,
     lease_database,
@@ -1099,6 +1099,19 @@ def test_sequence_exhaustion_is_a_clear_error_never_a_wrap(
 
 
 # --- sources -----------------------------------------------------------------------------------
+
+
+def test_a_last_look_with_almost_no_time_left_still_gets_a_pool_connection(
+    pool: ConnectionPool[Any], name: str
+) -> None:
+    # A waiter's last look before its deadline passes the sliver of time it has left as the
+    # pool checkout timeout; psycopg_pool refuses a spent timeout even with a connection idle.
+    pool.wait(timeout=10)
+    assert pool.get_stats()["pool_available"] >= 1
+    with pytest.raises(PoolTimeout):  # the control: psycopg_pool itself
+        pool.getconn(timeout=1e-9)
+    source = _lease.make_source(pool)
+    assert source.run("info", "pglock", (name,), timeout=1e-9) == []
 
 
 def test_sources_pool_engine_dsn_and_refusals(
