@@ -181,6 +181,20 @@ def test_bad_locker_arguments(source: Any, kwargs: Any, error: type[Exception]) 
         pglock.Locker(source, **kwargs)
 
 
+@pytest.mark.parametrize("schema", ["Bad", "pg_locks", "a" * 64, "1x", "x-y", "x\x00"])
+def test_locker_refuses_the_schemas_the_installer_refuses_with_its_message(schema: str) -> None:
+    # At construction, before any SQL (the DSN points nowhere), with the same message as
+    # pglock._schema.validate_schema, which pglock install, lease() and semaphore() use.
+    from pglock._schema import validate_schema
+
+    with pytest.raises(ValueError) as expected:
+        validate_schema(schema)
+    with pytest.raises(ValueError) as refused:
+        pglock.Locker("postgresql://nobody@127.0.0.1:1/none", schema=schema)
+    assert str(refused.value) == str(expected.value)
+    assert pglock.Locker("postgresql://x", schema="my_locks").schema == "my_locks"
+
+
 def test_pool_kwargs_refused_for_a_pool_you_own(
     pool: psycopg_pool.ConnectionPool[Any],
 ) -> None:
