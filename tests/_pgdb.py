@@ -42,12 +42,6 @@ def dbname_of(dsn: str) -> str:
     return str(p.get("dbname") or p.get("user") or "postgres")
 
 
-def is_unix_socket(dsn: str) -> bool:
-    """Does ``dsn`` reach its server through a Unix-domain socket (a host that is a path)?"""
-    host = str(conninfo_to_dict(dsn).get("host") or "")
-    return host.startswith("/") or host.startswith("@")
-
-
 def sa_url(dsn: str, driver: str = "psycopg", **params: Any) -> URL:
     """A SQLAlchemy URL (``postgresql+<driver>``) for ``dsn`` with ``params`` set.
 
