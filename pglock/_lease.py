@@ -50,12 +50,15 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 
 from . import _conn, _sql
 from ._keys import validate_flag, validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
+from ._source import Source, close_dsn_sources, open_listening
+from ._source import count as _count
+from ._source import make_source as _make_source
+from ._source import statements as _statements
 from .errors import InvalidConnectionState, LockError, LockLost, LockNotAcquired, SchemaNotInstalled
 
 if TYPE_CHECKING:
@@ -87,21 +90,13 @@ _LISTENER_TICK = 0.5
 _RETRIES = 5
 #: The keepalive thread looks up at least this often (seconds), leases or not.
 _KEEPALIVE_TICK = 5.0
-#: Most idle connections pglock keeps per DSN string.
-_DSN_MAX_IDLE = 4
 
 _DEFAULT: Any = object()
 _NEW, _HELD, _RELEASED = "new", "held", "released"
 
-#: Statements sent, by kind ("acquire", "extend", "extend_many", "release", "guard", ...):
-#: for tests and benchmarks that count round trips.
-statements: Counter[str] = Counter()
-_stats_lock = threading.Lock()
-
-
-def _count(kind: str) -> None:
-    with _stats_lock:
-        statements[kind] += 1
+#: Statements sent, by kind ("acquire", "extend", "extend_many", "release", "guard", "ping",
+#: ...): for tests and benchmarks that count round trips (kept in ``_source.py``).
+statements = _statements
 
 
 # --- validation --------------------------------------------------------------------------------
@@ -208,116 +203,27 @@ def _stmt(kind: str, schema: str) -> bytes:
 # --- sources -----------------------------------------------------------------------------------
 
 
-class _Source:
-    """Where lease statements run: each one on a connection of its own, in autocommit.
+def _run(
+    source: Source, kind: str, schema: str, params: tuple[Any, ...], timeout: float | None = None
+) -> list[tuple[Any, ...]]:
+    """Send one lease statement and return its rows (see :func:`_run_once_more`)."""
+    return _run_once_more(source, kind, schema, params, timeout)[0]
 
-    A subclass says how to check a connection out (:meth:`_checkout`) and back in; :meth:`run`
-    is the one place lease statements are sent from.
+
+def _run_once_more(
+    source: Source, kind: str, schema: str, params: tuple[Any, ...], timeout: float | None = None
+) -> tuple[list[tuple[Any, ...]], bool]:
+    """Send one lease statement; return its rows and whether it was sent a second time, on a
+    new connection, because its connection died under it (:meth:`Source.run_once_more`).
+
+    That is safe: every lease statement is idempotent per holder (an acquire by the same
+    holder re-enters keeping the token; extend and release name the holder and the token), so
+    a first attempt that did commit before its connection died changes nothing but the answer
+    of a release.
     """
-
-    kind = "?"
-
-    def __init__(self, key: tuple[Any, ...]) -> None:
-        self.key = key
-
-    def run(
-        self, kind: str, schema: str, params: tuple[Any, ...], timeout: float | None = None
-    ) -> list[tuple[Any, ...]]:
-        """Send one lease statement and return its rows (see :meth:`run_once_more`)."""
-        return self.run_once_more(kind, schema, params, timeout)[0]
-
-    def run_once_more(
-        self, kind: str, schema: str, params: tuple[Any, ...], timeout: float | None = None
-    ) -> tuple[list[tuple[Any, ...]], bool]:
-        """Send one lease statement; return its rows and whether it was sent a second time.
-
-        A statement whose connection is lost under it (the error leaves the connection closed
-        or broken: its backend was terminated, the server restarted, the network dropped) is
-        sent once more, on a connection checked for life first. That is safe: every lease
-        statement is idempotent per holder (an acquire by the same holder re-enters keeping
-        the token; extend and release name the holder and the token), so a first attempt that
-        did commit before its connection died changes nothing but the answer of a release. A
-        failure of the second attempt is raised as it comes (a psycopg error, caused by the
-        first one, with a note on Python 3.11+).
-        """
-        conn, done = self._checkout(timeout, fresh=False)
-        try:
-            return _execute(conn, kind, schema, params), False
-        except psycopg.OperationalError as exc:
-            if not (conn.closed or conn.broken):
-                raise
-            first: psycopg.OperationalError = exc
-        finally:
-            done()
-        logger.warning(
-            "lease statement %r: the connection was lost (%s: %s); sending it once more on a "
-            "new connection",
-            kind, type(first).__name__, _first_line(first),
-        )
-        try:
-            conn, done = self._checkout(timeout, fresh=True)
-            try:
-                return _execute(conn, kind, schema, params), True
-            finally:
-                done()
-        except psycopg.Error as exc:
-            if hasattr(exc, "add_note"):  # Python 3.11+
-                exc.add_note(
-                    f"pglock: the lease statement {kind!r} lost its connection "
-                    f"({type(first).__name__}: {_first_line(first)}) and failed again on a new "
-                    f"connection of its {self.kind} source"
-                )
-            if exc.__cause__ is None:
-                raise exc from first
-            raise
-
-    def _checkout(
-        self, timeout: float | None, *, fresh: bool
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        """A connection for one statement, and how to give it back (whatever its state).
-
-        :param fresh: after a lost connection: idle connections of the source may be dead
-            too, so hand out one that answered an empty statement (or a new one).
-        """
-        raise NotImplementedError
-
-    def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        """A new autocommit connection of its own, and how to close it."""
-        raise NotImplementedError
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).strip().split("\n", 1)[0]
-
-
-def _alive(conn: psycopg.Connection[Any]) -> bool:
-    """Does ``conn`` answer an empty statement? (One round trip; the transaction state is
-    left as it was, as psycopg_pool's ``check_connection`` does.)"""
-    if conn.closed or conn.broken:
-        return False
-    _count("ping")
-    try:
-        if conn.autocommit or conn.info.transaction_status != TransactionStatus.IDLE:
-            conn.execute(b"")
-        else:
-            conn.autocommit = True
-            try:
-                conn.execute(b"")
-            finally:
-                if not (conn.closed or conn.broken):
-                    conn.autocommit = False
-    except psycopg.OperationalError:
-        if conn.closed or conn.broken:
-            return False
-        raise
-    return True
-
-
-#: The shortest wait for a pool connection (seconds), whatever time the caller has left.
-_MIN_CHECKOUT = 0.05
-#: After a lost connection, how many connections of a pool or an engine are tried at most
-#: (each one pinged) before the statement is sent on the last one anyway.
-_MAX_PINGS = 32
+    return source.run_once_more(
+        lambda conn: _execute(conn, kind, schema, params), "lease", kind, timeout
+    )
 
 
 def _execute(
@@ -435,212 +341,13 @@ def schema_not_installed(conn: psycopg.Connection[Any], schema: str) -> SchemaNo
     )
 
 
-class _PoolSource(_Source):
-    kind = "pool"
-
-    def __init__(self, pool: Any) -> None:
-        super().__init__(("pool", id(pool)))
-        self.pool = pool
-
-    def _checkout(
-        self, timeout: float | None, *, fresh: bool
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        pool = self.pool
-        if timeout is not None:
-            # A waiter's last look passes the sliver of time it has left; psycopg_pool
-            # refuses a checkout outright once its timeout is spent, even with a connection
-            # idle (PoolTimeout instead of an answer).
-            timeout = max(timeout, _MIN_CHECKOUT)
-        # The pool discards a connection given back closed or broken, and opens another.
-        tries = min(_MAX_PINGS, int(getattr(pool, "max_size", 1) or 1) + 1) if fresh else 1
-        for attempt in range(tries):
-            conn: psycopg.Connection[Any] = pool.getconn(timeout=timeout)
-            if attempt == tries - 1:
-                break
-            try:
-                if _alive(conn):
-                    break
-            except BaseException:
-                pool.putconn(conn)
-                raise
-            pool.putconn(conn)
-        return conn, lambda: pool.putconn(conn)
-
-    def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        pool = self.pool
-        conninfo = pool.conninfo() if callable(pool.conninfo) else pool.conninfo
-        kwargs = dict((pool.kwargs() if callable(pool.kwargs) else pool.kwargs) or {})
-        kwargs["autocommit"] = True
-        conn = pool.connection_class.connect(conninfo, **kwargs)
-        return conn, conn.close
-
-
-class _EngineSource(_Source):
-    kind = "engine"
-
-    def __init__(self, engine: Any) -> None:
-        super().__init__(("engine", id(engine)))
-        self.engine = engine
-
-    def _checkout(
-        self, timeout: float | None, *, fresh: bool
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        tries = 1
-        if fresh:
-            # Idle connections that may be dead, plus a new one.
-            checkedin = getattr(self.engine.pool, "checkedin", None)
-            idle = checkedin() if callable(checkedin) else 0
-            tries = min(_MAX_PINGS, int(idle) + 1)
-        for attempt in range(tries):
-            raw = self.engine.raw_connection()
-            conn: psycopg.Connection[Any] = raw.driver_connection
-            if attempt == tries - 1:
-                break
-            try:
-                if _alive(conn):
-                    break
-            except BaseException:
-                _engine_checkin(raw, conn)
-                raise
-            _engine_checkin(raw, conn)
-        return conn, lambda: _engine_checkin(raw, conn)
-
-    def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        raw = self.engine.raw_connection()
-        raw.detach()  # ours from now on: the pool forgets it and opens another when needed
-        conn: psycopg.Connection[Any] = raw.driver_connection
-        try:
-            if conn.info.transaction_status != TransactionStatus.IDLE:
-                conn.rollback()  # a new connection may be in the dialect's first transaction
-            conn.autocommit = True
-        except BaseException:
-            raw.close()
-            raise
-        return conn, raw.close
-
-
-def _engine_checkin(raw: Any, conn: psycopg.Connection[Any]) -> None:
-    if conn.closed or conn.broken:
-        raw.invalidate()  # SQLAlchemy's pool forgets it and opens another when needed
-    raw.close()
-
-
-class _DsnSource(_Source):
-    """A few autocommit connections pglock opens for a DSN string, reused, closed at exit."""
-
-    kind = "dsn"
-
-    def __init__(self, dsn: str) -> None:
-        super().__init__(("dsn", dsn))
-        self.dsn = dsn
-        self._idle: list[psycopg.Connection[Any]] = []
-        self._lock = threading.Lock()
-
-    def _get(self, *, fresh: bool = False) -> psycopg.Connection[Any]:
-        if fresh:
-            # A connection was lost: the idle ones went the same way if the server restarted
-            # or the network dropped. Close them all (cheap) and open a new one.
-            self.close()
-        with self._lock:
-            while self._idle:
-                conn = self._idle.pop()
-                if not (conn.closed or conn.broken):
-                    return conn
-        return psycopg.connect(self.dsn, autocommit=True)
-
-    def _put(self, conn: psycopg.Connection[Any]) -> None:
-        healthy = not (conn.closed or conn.broken) and (
-            conn.info.transaction_status == TransactionStatus.IDLE
-        )
-        if healthy:
-            with self._lock:
-                if len(self._idle) < _DSN_MAX_IDLE:
-                    self._idle.append(conn)
-                    return
-        conn.close()
-
-    def _checkout(
-        self, timeout: float | None, *, fresh: bool
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        conn = self._get(fresh=fresh)
-        return conn, lambda: self._put(conn)
-
-    def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        conn = psycopg.connect(self.dsn, autocommit=True)
-        return conn, conn.close
-
-    def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            try:
-                conn.close()
-            except Exception:
-                pass
-
-
-_dsn_sources: dict[str, _DsnSource] = {}
-_dsn_lock = threading.Lock()
-
-
-def _close_dsn_sources() -> None:
-    with _dsn_lock:
-        sources = list(_dsn_sources.values())
-        _dsn_sources.clear()
-    for s in sources:
-        s.close()
-
-_SOURCES = (
-    "a psycopg_pool.ConnectionPool, a SQLAlchemy Engine on the psycopg driver "
-    "(postgresql+psycopg://) or a DSN string"
-)
-
-
-def make_source(source: object) -> _Source:
+def make_source(source: object) -> Source:
     """Resolve a lease source without sending any SQL.
 
     :raises TypeError: not a supported source.
     :raises ValueError: an empty or unparsable DSN string.
     """
-    if isinstance(source, str):
-        if not source.strip():
-            raise ValueError("the DSN must not be empty")
-        try:
-            conninfo_to_dict(source)
-        except psycopg.ProgrammingError as exc:
-            raise ValueError(f"invalid DSN: {exc}") from None
-        with _dsn_lock:
-            found = _dsn_sources.get(source)
-            if found is None:
-                found = _dsn_sources[source] = _DsnSource(source)
-            return found
-    from psycopg_pool import AsyncConnectionPool, ConnectionPool
-
-    if isinstance(source, ConnectionPool):
-        return _PoolSource(source)
-    if isinstance(source, AsyncConnectionPool):
-        raise TypeError(f"pglock is synchronous: pass {_SOURCES}, not an AsyncConnectionPool")
-    if isinstance(source, (psycopg.Connection, psycopg.AsyncConnection)):
-        raise TypeError(
-            f"a lease runs on connections of its own, never in the caller's transaction: pass "
-            f"{_SOURCES}, not a Connection"
-        )
-    if type(source).__module__.startswith("sqlalchemy"):
-        from sqlalchemy.engine import Engine
-
-        if isinstance(source, Engine):
-            dialect = source.dialect
-            if dialect.name != "postgresql" or dialect.driver != "psycopg":
-                raise TypeError(
-                    "pglock needs SQLAlchemy's psycopg (3) driver on PostgreSQL (URLs like "
-                    f"postgresql+psycopg://...); this engine uses {dialect.name}+{dialect.driver}"
-                )
-            return _EngineSource(source)
-        raise TypeError(
-            f"expected {_SOURCES}; got {type(source).__name__} (a lease runs on connections "
-            "of its own: pass the Engine, not a Connection or Session)"
-        )
-    raise TypeError(f"expected {_SOURCES}; got {type(source).__module__}.{type(source).__name__}")
+    return _make_source(source, "lease")
 
 
 # --- the process-wide manager: keepalive thread, wait queues, listeners ---------------------
@@ -686,7 +393,7 @@ class _Queue:
 class _Listener:
     """One LISTEN connection for a (source, schema) and the thread that reads it."""
 
-    def __init__(self, mgr: _Manager, source: _Source, schema: str) -> None:
+    def __init__(self, mgr: _Manager, source: Source, schema: str) -> None:
         self.mgr = mgr
         self.source = source
         self.schema = schema
@@ -702,14 +409,8 @@ class _Listener:
         )
 
     def _connect(self) -> None:
-        conn, close = self.source.open_listener()
-        try:
-            _count("listen")
-            conn.execute(_sql.listen(self.channel))
-        except BaseException:
-            close()
-            raise
-        self.conn, self._close = conn, close
+        _count("listen")
+        self.conn, self._close = open_listening(self.source, self.channel)
         self.healthy = True
 
     def _drop(self) -> None:
@@ -885,8 +586,9 @@ class _Manager:
         # Waiting longer than the earliest deadline would only hide a loss.
         wait = max(0.05, min(s[0]._deadline for s in snaps) - sent)
         try:
-            rows = source.run(
-                "extend_many", schema, (names, holders, tokens, ttls, durable, wait), timeout=wait
+            rows = _run(
+                source, "extend_many", schema, (names, holders, tokens, ttls, durable, wait),
+                timeout=wait,
             )
         except Exception as exc:
             logger.info("renewing %d lease(s) failed, retrying: %r", len(snaps), exc)
@@ -962,7 +664,7 @@ class _Manager:
 
     # -- listeners ----------------------------------------------------------------------------
 
-    def listener(self, source: _Source, schema: str) -> tuple[_Listener | None, bool]:
+    def listener(self, source: Source, schema: str) -> tuple[_Listener | None, bool]:
         """The (source, schema) listener, started if needed: (listener, created now)."""
         key = (source.key, schema)
         with self.lock:
@@ -1027,12 +729,9 @@ def _mgr() -> _Manager:
 def _after_fork_in_child() -> None:
     # Threads and connections do not survive a fork: the child starts from nothing, and the
     # parent's leases stay the parent's (the child must not renew or release them).
-    global _the_manager, _manager_lock, _stats_lock, _dsn_lock
+    global _the_manager, _manager_lock
     _the_manager = None
     _manager_lock = threading.Lock()
-    _stats_lock = threading.Lock()
-    _dsn_lock = threading.Lock()
-    _dsn_sources.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -1046,7 +745,7 @@ def shutdown() -> None:
     m = _the_manager
     if m is not None:
         m.shutdown()
-    _close_dsn_sources()
+    close_dsn_sources()
 
 
 atexit.register(shutdown)
@@ -1231,7 +930,8 @@ class Lease:
     def _attempt(self, wait: float | None) -> tuple[Any, ...]:
         """One acquire statement. Returns its row plus the monotonic send and receive times."""
         sent = time.monotonic()
-        rows = self._source.run(
+        rows = _run(
+            self._source,
             "acquire",
             self._schema,
             (self._name, self._holder, self._ttl, self._metadata_json, wait, self._durable),
@@ -1323,8 +1023,11 @@ class Lease:
 
     def _do_resume(self) -> None:
         sent = time.monotonic()
-        rows = self._source.run(
-            "extend", self._schema, (self._name, self._holder, None, self._ttl, self._durable)
+        rows = _run(
+            self._source,
+            "extend",
+            self._schema,
+            (self._name, self._holder, None, self._ttl, self._durable),
         )
         if not rows:
             raise LockLost(
@@ -1356,8 +1059,8 @@ class Lease:
                 token = self._token
             mgr = _mgr()
             try:
-                rows, again = self._source.run_once_more(
-                    "release", self._schema, (self._name, self._holder, token)
+                rows, again = _run_once_more(
+                    self._source, "release", self._schema, (self._name, self._holder, token)
                 )
             except BaseException:
                 mgr.unregister(self)
@@ -1444,8 +1147,11 @@ class Lease:
             with self._lock:
                 token, gen = self._token, self._gen
             sent = time.monotonic()
-            rows = self._source.run(
-                "extend", self._schema, (self._name, self._holder, token, new_ttl, self._durable)
+            rows = _run(
+                self._source,
+                "extend",
+                self._schema,
+                (self._name, self._holder, token, new_ttl, self._durable),
             )
             if not rows:
                 self._lose("extend found it no longer held (expired or taken over)", gen=gen)
@@ -1497,7 +1203,7 @@ class Lease:
         if not (row and row[0]):
             # Ask the lease's own source before declaring a loss: a connection to another
             # database (with its own pglock schema) would not see this lease at all.
-            rows = self._source.run("info", self._schema, (self._name,))
+            rows = _run(self._source, "info", self._schema, (self._name,))
             if rows and rows[0][1] == self._holder and rows[0][2] == token:
                 raise InvalidConnectionState(
                     f"guard(): this connection does not see lease {self._name!r}, which is "
@@ -1646,7 +1352,7 @@ def _query(
 ) -> list[tuple[Any, ...]]:
     """Run a read-only lease query on a source (pool, engine, DSN) or a caller's connection."""
     if isinstance(target, str) or not _is_connection(target):
-        return make_source(target).run(kind, schema, params)
+        return _run(make_source(target), kind, schema, params)
     resolved = _conn.resolve(target)
     pg = resolved.conn
     status = _conn.check_usable(pg)

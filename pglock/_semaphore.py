@@ -7,7 +7,8 @@ inserts the caller's permit row when it fits, in one READ COMMITTED transaction 
 ``clock_timestamp()``. This module is the client around it:
 
 * **Statements** run on connections of their own (a pool, an engine, or a few connections kept
-  per DSN string), never in the caller's transaction, one round trip each.
+  per DSN string, shared with leases: ``_source.py``), never in the caller's transaction, one
+  round trip each. A statement whose connection dies under it is sent once more on a live one.
 * **Crash safety.** A permit row expires ``ttl`` seconds after its last renewal. A keepalive
   thread per :class:`Semaphore` renews all of its permits in one statement every ``ttl/3``;
   the holder believes in a permit until ``send time of the last successful acquire/renewal +
@@ -22,7 +23,6 @@ inserts the caller's permit row when it fits, in one READ COMMITTED transaction 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import logging
@@ -34,18 +34,19 @@ import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 
 from . import _conn, _sql
 from ._keys import validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, validate_schema
+from ._source import DsnSource, Source, open_listening
+from ._source import make_source as _make_source
 from .errors import (
     InvalidConnectionState,
     LimitMismatch,
@@ -112,198 +113,62 @@ def _default_owner() -> str:
 # --- where statements run ------------------------------------------------------------------------
 
 
-class _Source:
-    kind = "?"
-    key: tuple[Any, ...] = ()
-
-    def borrow(self) -> contextlib.AbstractContextManager[psycopg.Connection[Any]]:
-        raise NotImplementedError
-
-    def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        raise NotImplementedError
-
-
-class _PoolSource(_Source):
-    kind = "pool"
-
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
-        self.key = ("pool", id(pool))
-
-    @contextlib.contextmanager
-    def borrow(self) -> Iterator[psycopg.Connection[Any]]:
-        with self.pool.connection() as conn:
-            yield conn
-
-    def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        pool = self.pool
-        conninfo = pool.conninfo() if callable(pool.conninfo) else pool.conninfo
-        kwargs = dict((pool.kwargs() if callable(pool.kwargs) else pool.kwargs) or {})
-        kwargs["autocommit"] = True
-        conn = pool.connection_class.connect(conninfo, **kwargs)
-        return conn, conn.close
-
-
-class _EngineSource(_Source):
-    kind = "engine"
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.key = ("engine", id(engine))
-
-    @contextlib.contextmanager
-    def borrow(self) -> Iterator[psycopg.Connection[Any]]:
-        raw = self.engine.raw_connection()
-        conn: psycopg.Connection[Any] = raw.driver_connection
-        try:
-            yield conn
-        except BaseException:
-            if conn.closed or conn.broken:
-                raw.invalidate()
-            raise
-        finally:
-            raw.close()
-
-    def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        raw = self.engine.raw_connection()
-        # Read it before detach(): a detached fairy no longer exposes its driver connection.
-        conn: psycopg.Connection[Any] = raw.driver_connection
-        raw.detach()  # ours from now on; the engine's pool opens another when it needs one
-        conn.autocommit = True
-        return conn, conn.close
-
-
-class _DsnSource(_Source):
-    """A few autocommit connections kept for a DSN string, reused, closed at exit."""
-
-    kind = "dsn"
-
-    def __init__(self, dsn: str) -> None:
-        self.dsn = dsn
-        self.key = ("dsn", dsn)
-        self._idle: list[psycopg.Connection[Any]] = []
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def borrow(self) -> Iterator[psycopg.Connection[Any]]:
-        conn: psycopg.Connection[Any] | None = None
-        with self._lock:
-            while self._idle and conn is None:
-                c = self._idle.pop()
-                if not (c.closed or c.broken):
-                    conn = c
-        if conn is None:
-            conn = psycopg.connect(self.dsn, autocommit=True)
-        try:
-            yield conn
-        finally:
-            healthy = not (conn.closed or conn.broken) and (
-                conn.info.transaction_status == TransactionStatus.IDLE
-            )
-            with self._lock:
-                keep = healthy and len(self._idle) < _DSN_MAX_IDLE
-                if keep:
-                    self._idle.append(conn)
-            if not keep:
-                conn.close()
-
-    def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        conn = psycopg.connect(self.dsn, autocommit=True)
-        return conn, conn.close
-
-    def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for c in idle:
-            with contextlib.suppress(Exception):
-                c.close()
-
-
-_dsn_sources: dict[str, _DsnSource] = {}
-_dsn_lock = threading.Lock()
-
-
-@atexit.register
-def _close_dsn_sources() -> None:
-    with _dsn_lock:
-        found = list(_dsn_sources.values())
-    for s in found:
-        s.close()
-
-
-_ACCEPTED = (
-    "a psycopg_pool.ConnectionPool, a SQLAlchemy Engine on the psycopg driver "
-    "(postgresql+psycopg://) or a DSN string"
-)
-
-
-def make_source(source: object) -> _Source:
+def make_source(source: object) -> Source:
     """Resolve a semaphore source without I/O. :raises TypeError, ValueError:"""
-    if isinstance(source, str):
-        if not source.strip():
-            raise ValueError("the DSN must not be empty")
-        try:
-            conninfo_to_dict(source)
-        except psycopg.ProgrammingError as exc:
-            raise ValueError(f"invalid DSN: {exc}") from None
-        with _dsn_lock:
-            found = _dsn_sources.get(source)
-            if found is None:
-                found = _dsn_sources[source] = _DsnSource(source)
-            return found
-    mod = type(source).__module__
-    if mod.startswith("psycopg_pool"):
-        from psycopg_pool import ConnectionPool
+    return _make_source(source, "semaphore")
 
-        if isinstance(source, ConnectionPool):
-            return _PoolSource(source)
-        raise TypeError(f"pglock is synchronous: pass {_ACCEPTED}")
-    if mod.startswith("sqlalchemy"):
-        from sqlalchemy.engine import Engine
 
-        if isinstance(source, Engine):
-            _conn._check_dialect(source.dialect)
-            return _EngineSource(source)
-    if isinstance(source, (psycopg.Connection, psycopg.AsyncConnection)) or mod.startswith(
-        "sqlalchemy"
-    ):
-        raise TypeError(
-            f"a semaphore runs its statements on connections of its own, never in the "
-            f"caller's transaction: pass {_ACCEPTED}, not a connection"
+def _run(source: Source, kind: str, schema: str, stmt: sql.Composed) -> list[tuple[Any, ...]]:
+    """Send one semaphore statement batch and return the rows of its last row-returning
+    statement (see :func:`_run_once_more`)."""
+    return _run_once_more(source, kind, schema, stmt)[0]
+
+
+def _run_once_more(
+    source: Source, kind: str, schema: str, stmt: sql.Composed
+) -> tuple[list[tuple[Any, ...]], bool]:
+    """Send one semaphore statement batch (one round trip, autocommit, on a connection of the
+    source's); return its rows and whether it was sent a second time, on a new connection,
+    because its connection died under it (:meth:`Source.run_once_more`).
+
+    Extend and info are safe to send again, and so is a release (its answer aside: the caller
+    says so). An acquire names a holder of its own: a first attempt that committed a grant
+    before its connection died makes the second one fail on the permit's primary key, and the
+    unrenewed permit comes back after its TTL, as it would without the second attempt.
+    """
+    return source.run_once_more(lambda conn: _execute(conn, schema, stmt), "semaphore", kind)
+
+
+def _execute(
+    conn: psycopg.Connection[Any], schema: str, stmt: sql.Composed
+) -> list[tuple[Any, ...]]:
+    """``stmt`` in autocommit on ``conn`` (restoring its autocommit setting); a statement that
+    failed inside its own explicit transaction is rolled back."""
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        raise InvalidConnectionState(
+            "the pool handed out a connection inside a transaction; pglock runs semaphore "
+            "statements in their own transactions"
         )
-    raise TypeError(f"expected {_ACCEPTED}; got {mod}.{type(source).__qualname__}")
-
-
-def _run(source: _Source, schema: str, stmt: sql.Composed) -> list[tuple[Any, ...]]:
-    """Run one statement batch (autocommit on a borrowed connection) and return the rows of
-    its last row-returning statement."""
-    with source.borrow() as conn:
-        if conn.info.transaction_status != TransactionStatus.IDLE:
-            raise InvalidConnectionState(
-                "the pool handed out a connection inside a transaction; pglock runs semaphore "
-                "statements in their own transactions"
-            )
-        restore = not conn.autocommit
-        if restore:
-            conn.autocommit = True
-        try:
-            return _conn.run(conn, stmt)
-        except psycopg.Error as exc:
-            if not (conn.closed or conn.broken) and _in_failed_transaction(conn):
-                conn.execute("ROLLBACK")
-            if isinstance(
-                exc,
-                (pg_errors.UndefinedFunction, pg_errors.UndefinedTable,
-                 pg_errors.InvalidSchemaName),
-            ):
-                raise SchemaNotInstalled(schema) from exc
-            raise
-        finally:
-            if restore and not (conn.closed or conn.broken):
-                try:
-                    conn.autocommit = False
-                except psycopg.Error:
-                    logger.debug("could not restore autocommit=False", exc_info=True)
+    restore = not conn.autocommit
+    if restore:
+        conn.autocommit = True
+    try:
+        return _conn.run(conn, stmt)
+    except psycopg.Error as exc:
+        if not (conn.closed or conn.broken) and _in_failed_transaction(conn):
+            conn.execute("ROLLBACK")
+        if isinstance(
+            exc,
+            (pg_errors.UndefinedFunction, pg_errors.UndefinedTable, pg_errors.InvalidSchemaName),
+        ):
+            raise SchemaNotInstalled(schema) from exc
+        raise
+    finally:
+        if restore and not (conn.closed or conn.broken):
+            try:
+                conn.autocommit = False
+            except psycopg.Error:
+                logger.debug("could not restore autocommit=False", exc_info=True)
 
 
 def _in_failed_transaction(conn: psycopg.Connection[Any]) -> bool:
@@ -314,7 +179,7 @@ def _in_failed_transaction(conn: psycopg.Connection[Any]) -> bool:
 
 
 class _Listener:
-    def __init__(self, source: _Source, schema: str) -> None:
+    def __init__(self, source: Source, schema: str) -> None:
         self.source = source
         self.schema = schema
         self.channel = semaphore_channel(schema)
@@ -333,13 +198,7 @@ class _Listener:
         self.thread.start()
 
     def _connect(self) -> None:
-        conn, close = self.source.open_listener()
-        try:
-            conn.execute(_sql.listen(self.channel))
-        except BaseException:
-            close()
-            raise
-        self.conn, self._close = conn, close
+        self.conn, self._close = open_listening(self.source, self.channel)
         self.healthy = True
 
     def _drop(self) -> None:
@@ -412,7 +271,7 @@ _listeners: dict[tuple[Any, ...], _Listener] = {}
 _listeners_lock = threading.Lock()
 
 
-def _listener(source: _Source, schema: str, sem: Semaphore) -> _Listener | None:
+def _listener(source: Source, schema: str, sem: Semaphore) -> _Listener | None:
     """The (source, schema) listener, started if needed, with ``sem`` subscribed to it (under
     the same lock as :func:`_retire`, so it cannot be retired in between)."""
     key = (source.key, schema)
@@ -443,11 +302,9 @@ def _retire(lst: _Listener) -> bool:
 
 
 def _after_fork_in_child() -> None:
-    global _listeners_lock, _dsn_lock
+    global _listeners_lock
     _listeners.clear()
     _listeners_lock = threading.Lock()
-    _dsn_sources.clear()
-    _dsn_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -582,7 +439,7 @@ class Semaphore:
     ) -> None:
         self._setup(name, limit, ttl, schema, metadata)
         self._get_source: Callable[[], object] = lambda: source
-        self._source: _Source | None = make_source(source)
+        self._source: Source | None = make_source(source)
 
     def _setup(self, name: str, limit: int, ttl: float, schema: str, metadata: Any) -> None:
         self._name = validate_name(name)
@@ -642,7 +499,9 @@ class Semaphore:
 
         :raises pglock.SchemaNotInstalled: the pglock schema is missing.
         """
-        rows = _run(self._src(), self._schema, _sql.semaphore_info(self._schema, self._name))
+        rows = _run(
+            self._src(), "info", self._schema, _sql.semaphore_info(self._schema, self._name)
+        )
         return int(rows[0][2]) if rows else 0
 
     def __repr__(self) -> str:
@@ -650,7 +509,7 @@ class Semaphore:
             mine = sum(p.permits for p in self._held.values())
         return f"<pglock.Semaphore {self._name!r} limit={self._limit} held_here={mine}>"
 
-    def _src(self) -> _Source:
+    def _src(self) -> Source:
         if self._source is None:
             self._source = make_source(self._get_source())
         return self._source
@@ -669,7 +528,7 @@ class Semaphore:
             lst = _listeners.get((src.key, self._schema))
         if lst is not None:
             _retire(lst)
-        if isinstance(src, _DsnSource):
+        if isinstance(src, DsnSource):
             src.close()
 
     # -- the threading.Semaphore-like API ----------------------------------------------
@@ -785,7 +644,7 @@ class Semaphore:
                     self._listening = None
                 self._cond.notify_all()  # the next in line goes at once
 
-    def _listen(self, source: _Source) -> tuple[_Listener | None, bool]:
+    def _listen(self, source: Source) -> tuple[_Listener | None, bool]:
         """This object's NOTIFY subscription, made now if needed: (listener, made now)."""
         with self._cond:
             current = self._listening
@@ -802,7 +661,7 @@ class Semaphore:
         low, high = _DEGRADED_POLL
         return self._rng.uniform(0.5, 1.0) * min(high, low * 2.0 ** min(attempt, 16))
 
-    def _try(self, source: _Source, permits: int, *, wait: bool) -> tuple[Permit | None,
+    def _try(self, source: Source, permits: int, *, wait: bool) -> tuple[Permit | None,
                                                                        float | None]:
         holder = f"{self._owner}:{uuid.uuid4().hex}"
         stmt = _sql.semaphore_acquire(
@@ -812,7 +671,7 @@ class Semaphore:
         sent = time.monotonic()
         self._attempts += 1
         try:
-            rows = _run(source, self._schema, stmt)
+            rows = _run(source, "acquire", self._schema, stmt)
         except psycopg.Error as exc:
             if exc.sqlstate == LIMIT_MISMATCH:
                 raise LimitMismatch(
@@ -832,9 +691,11 @@ class Semaphore:
                      self._name, held, self._limit)
         return permit, None
 
-    def _stored_limit(self, source: _Source) -> int | None:
+    def _stored_limit(self, source: Source) -> int | None:
         try:
-            rows = _run(source, self._schema, _sql.semaphore_info(self._schema, self._name))
+            rows = _run(
+                source, "info", self._schema, _sql.semaphore_info(self._schema, self._name)
+            )
         except psycopg.Error:
             return None
         return int(rows[0][1]) if rows else None
@@ -857,14 +718,20 @@ class Semaphore:
                     stack.remove(permit)
             self._cond.notify_all()  # the keepalive may stop
         try:
-            rows = _run(self._src(), self._schema,
-                        _sql.semaphore_release(self._schema, self._name, permit.holder))
+            rows, again = _run_once_more(
+                self._src(), "release", self._schema,
+                _sql.semaphore_release(self._schema, self._name, permit.holder),
+            )
         finally:
             self._poke()  # local waiters try at once
         status = rows[0][0] if rows else "not_held"
         if status != "released" or permit._lost is not None:
             reason = permit._lost or (
                 "it had expired before the release" if status == "expired" else
+                # The first attempt may have deleted the row before its connection died.
+                "the release was sent again after its connection was lost, and the permit was "
+                "not held any more: the first attempt may have released it, or it had expired"
+                if again else
                 "it was no longer held (expired and taken by others)"
             )
             raise LockLost(self._name, reason=reason)
@@ -905,7 +772,7 @@ class Semaphore:
             sent = time.monotonic()
             try:
                 rows = _run(
-                    self._src(), self._schema,
+                    self._src(), "extend", self._schema,
                     _sql.semaphore_extend(self._schema, self._name,
                                           [p.holder for p in live], self._ttl),
                 )

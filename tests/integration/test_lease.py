@@ -1111,7 +1111,7 @@ def test_a_last_look_with_almost_no_time_left_still_gets_a_pool_connection(
     with pytest.raises(PoolTimeout):  # the control: psycopg_pool itself
         pool.getconn(timeout=1e-9)
     source = _lease.make_source(pool)
-    assert source.run("info", "pglock", (name,), timeout=1e-9) == []
+    assert _lease._run(source, "info", "pglock", (name,), timeout=1e-9) == []
 
 
 def test_sources_pool_engine_dsn_and_refusals(

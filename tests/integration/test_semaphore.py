@@ -7,6 +7,7 @@ processes of the multi-process tests.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -26,7 +27,7 @@ from psycopg.conninfo import make_conninfo
 from psycopg_pool import ConnectionPool
 
 import pglock
-from pglock import _semaphore
+from pglock import _semaphore, _source
 from pglock._schema import install
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -228,7 +229,7 @@ def test_repeatable_read_default_is_safe(dsn: str, schema: str, name: str) -> No
     sem = pglock.semaphore(rr, name, 1, schema=schema)
     with sem:
         assert not pglock.semaphore(rr, name, 1, schema=schema).acquire(timeout=0)
-    _semaphore._dsn_sources.pop(rr).close()
+    _source._dsn_sources.pop(rr).close()
 
 
 def test_locker_and_engine_sources(
@@ -251,6 +252,53 @@ def test_locker_and_engine_sources(
         _semaphore._retire(listener)
     finally:
         engine.dispose()
+
+
+def _terminate_others(admin: psycopg.Connection[Any], app: str) -> int:
+    """End every session of this test's ``app`` but ``admin`` (waiting until each is gone)."""
+    rows = admin.execute(
+        "SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity"
+        " WHERE application_name = %s AND pid <> pg_backend_pid()",
+        (app,),
+    ).fetchall()
+    assert all(r[0] for r in rows), rows
+    return len(rows)
+
+
+@pytest.mark.parametrize("kind", ["dsn", "pool", "engine"])
+def test_statements_replace_a_terminated_connection_once(
+    kind: str, dsn: str, pool: ConnectionPool[Any], schema: str, name: str, app_name: str,
+    conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The idle connections of the source die (their backends terminated): the next acquire and
+    # release each meet a dead connection and are sent once more on a live one.
+    caplog.set_level(logging.WARNING, logger="pglock.semaphore")
+    engine = None
+    source: Any = pool if kind == "pool" else dsn
+    if kind == "engine":
+        sa = pytest.importorskip("sqlalchemy")
+        engine = source = sa.create_engine(
+            "postgresql+psycopg://", creator=lambda: psycopg.connect(dsn), pool_size=2
+        )
+    try:
+        sem = pglock.semaphore(source, name, 2, schema=schema)
+        assert sem.count == 0  # leaves an idle connection in the source
+        for op in ("acquire", "release"):
+            assert _terminate_others(conn, app_name) >= 1
+            caplog.clear()
+            if op == "acquire":
+                assert sem.acquire(permits=2, timeout=0)
+                assert sum(p for _, p in permit_rows(conn, schema, name)) == 2
+            else:
+                sem.release()  # no LockLost: the first attempt never reached the server
+                assert permit_rows(conn, schema, name) == []
+            # Not vacuous: the first attempt did meet a dead connection.
+            lost = [r for r in caplog.records if "the connection was lost" in r.getMessage()]
+            assert len(lost) == 1 and repr(op) in lost[0].getMessage(), lost
+        sem.close()
+    finally:
+        if engine is not None:
+            engine.dispose()
 
 
 def test_lost_permit_is_reported(pool: ConnectionPool[Any], schema: str, name: str,
