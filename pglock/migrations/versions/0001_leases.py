@@ -16,6 +16,12 @@ Objects, all in the pglock schema (default ``pglock``):
   ``leases``. Time is ``clock_timestamp()``, never ``now()`` (frozen at transaction start).
   Every function is schema-qualified and pins ``search_path = pg_catalog, <schema>, pg_temp``.
 
+Privileges: the functions are ``SECURITY DEFINER`` (they run with the rights of the role that
+installed them, with the pinned ``search_path`` that such functions need), and ``EXECUTE`` on
+them is revoked from ``PUBLIC``. An application role needs only ``USAGE`` on the schema and
+``EXECUTE`` on the functions, and no privilege on the table or the sequence: it cannot write a
+lease row or draw a token except through the functions, which check the holder and the token.
+
 The statements are idempotent (``IF NOT EXISTS``, ``CREATE OR REPLACE``) and run under a
 transaction-level advisory lock on ``pglock:install:<schema>``, so concurrent installs (Alembic
 or ``pglock install``) serialize and each object exists once.
@@ -48,6 +54,18 @@ def _names(schema: str) -> dict[str, sql.Composable]:
     }
 
 
+#: The signatures of this revision's functions (for REVOKE).
+FUNCTIONS = (
+    "acquire(text, text, double precision, jsonb, double precision, boolean)",
+    "extend(text, text, bigint, double precision, boolean)",
+    "extend_many(text[], text[], bigint[], double precision[], boolean, double precision)",
+    "release(text, text, bigint)",
+    "guard(text, text, bigint)",
+    "info(text)",
+    "leases(text)",
+)
+
+
 _ACQUIRE = """
 CREATE OR REPLACE FUNCTION {s}.acquire(
     p_name text,
@@ -59,6 +77,7 @@ CREATE OR REPLACE FUNCTION {s}.acquire(
 RETURNS TABLE (granted boolean, holder text, token bigint, acquired_at timestamptz,
                expires_at timestamptz, server_time timestamptz)
 LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
 SET search_path = pg_catalog, {s}, pg_temp
 AS $pglock$
 #variable_conflict use_column
@@ -210,6 +229,7 @@ CREATE OR REPLACE FUNCTION {s}.extend(
     p_durable boolean DEFAULT true)
 RETURNS TABLE (token bigint, acquired_at timestamptz, expires_at timestamptz, metadata jsonb)
 LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
 SET search_path = pg_catalog, {s}, pg_temp
 AS $pglock$
 #variable_conflict use_column
@@ -245,6 +265,7 @@ CREATE OR REPLACE FUNCTION {s}.extend_many(
     p_wait double precision DEFAULT NULL)
 RETURNS TABLE (name text, token bigint, expires_at timestamptz)
 LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
 SET search_path = pg_catalog, {s}, pg_temp
 AS $pglock$
 #variable_conflict use_column
@@ -285,6 +306,7 @@ _RELEASE = """
 CREATE OR REPLACE FUNCTION {s}.release(p_name text, p_holder text, p_token bigint)
 RETURNS TABLE (status text, notified boolean)
 LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
 SET search_path = pg_catalog, {s}, pg_temp
 AS $pglock$
 #variable_conflict use_column
@@ -316,6 +338,7 @@ _GUARD = """
 CREATE OR REPLACE FUNCTION {s}.guard(p_name text, p_holder text, p_token bigint)
 RETURNS boolean
 LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
 SET search_path = pg_catalog, {s}, pg_temp
 AS $pglock$
 BEGIN
@@ -337,6 +360,7 @@ CREATE OR REPLACE FUNCTION {s}.info(p_name text)
 RETURNS TABLE (name text, holder text, token bigint, acquired_at timestamptz,
                expires_at timestamptz, metadata jsonb, expires_in double precision)
 LANGUAGE sql VOLATILE
+SECURITY DEFINER
 SET search_path = pg_catalog, {s}, pg_temp
 AS $pglock$
     SELECT l.name, l.holder, l.token, l.acquired_at, l.expires_at, l.metadata,
@@ -351,6 +375,7 @@ CREATE OR REPLACE FUNCTION {s}.leases(p_prefix text DEFAULT NULL)
 RETURNS TABLE (name text, holder text, token bigint, acquired_at timestamptz,
                expires_at timestamptz, metadata jsonb, expires_in double precision)
 LANGUAGE sql VOLATILE
+SECURITY DEFINER
 SET search_path = pg_catalog, {s}, pg_temp
 AS $pglock$
     SELECT l.name, l.holder, l.token, l.acquired_at, l.expires_at, l.metadata,
@@ -393,6 +418,9 @@ CREATE TABLE IF NOT EXISTS {s}.lease (
     _GUARD,
     _INFO,
     _LEASES,
+    # SECURITY DEFINER functions: only roles granted EXECUTE may call them (Postgres grants
+    # EXECUTE on new functions to PUBLIC by default).
+    *(f"REVOKE ALL ON FUNCTION {{s}}.{signature} FROM PUBLIC" for signature in FUNCTIONS),
     "COMMENT ON TABLE {s}.lease IS 'pglock TTL leases: one row per name, live while "
     "expires_at > clock_timestamp()'",
     "COMMENT ON SEQUENCE {s}.lease_token IS 'pglock fencing tokens (never cycles)'",

@@ -17,7 +17,9 @@ Objects, all in the pglock schema (default ``pglock``):
   ``semaphore_info``. ``semaphore_acquire`` locks the semaphore row (``FOR UPDATE``), so the
   admissions of one semaphore are serialized and the sum of live permits never exceeds the
   limit; it refuses to run outside READ COMMITTED, where its reads could miss a concurrent
-  grant. Time is ``clock_timestamp()``; every function pins its ``search_path``.
+  grant. Time is ``clock_timestamp()``; every function pins its ``search_path``, is
+  ``SECURITY DEFINER`` (like the lease functions: application roles need ``EXECUTE``, not table
+  privileges) and is not executable by ``PUBLIC``.
 
 Leader election needs nothing here (its terms are transaction ids), nor do read-write locks or
 singleton jobs (advisory locks).
@@ -62,6 +64,15 @@ def _names(schema: str) -> dict[str, sql.Composable]:
     }
 
 
+#: The signatures of this revision's functions (for REVOKE).
+FUNCTIONS = (
+    "semaphore_acquire(text, integer, text, integer, double precision, jsonb, boolean)",
+    "semaphore_extend(text, text[], double precision)",
+    "semaphore_release(text, text)",
+    "semaphore_info(text)",
+)
+
+
 _ACQUIRE = """
 CREATE OR REPLACE FUNCTION {s}.semaphore_acquire(
     p_name text,
@@ -74,6 +85,7 @@ CREATE OR REPLACE FUNCTION {s}.semaphore_acquire(
 RETURNS TABLE (granted boolean, max_permits integer, held integer, expires_at timestamptz,
                retry_in double precision, server_time timestamptz)
 LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
 SET search_path = pg_catalog, {s}, pg_temp
 AS $pglock$
 #variable_conflict use_column
@@ -151,6 +163,7 @@ CREATE OR REPLACE FUNCTION {s}.semaphore_extend(
     p_ttl double precision)
 RETURNS TABLE (holder text, expires_at timestamptz)
 LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
 SET search_path = pg_catalog, {s}, pg_temp
 AS $pglock$
 #variable_conflict use_column
@@ -176,6 +189,7 @@ _RELEASE = """
 CREATE OR REPLACE FUNCTION {s}.semaphore_release(p_name text, p_holder text)
 RETURNS TABLE (status text, notified boolean)
 LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
 SET search_path = pg_catalog, {s}, pg_temp
 AS $pglock$
 #variable_conflict use_column
@@ -210,6 +224,7 @@ _INFO = """
 CREATE OR REPLACE FUNCTION {s}.semaphore_info(p_name text)
 RETURNS TABLE (name text, max_permits integer, held integer, holders integer)
 LANGUAGE sql STABLE
+SECURITY DEFINER
 SET search_path = pg_catalog, {s}, pg_temp
 AS $pglock$
     SELECT m.name, m.max_permits,
@@ -247,6 +262,8 @@ CREATE TABLE IF NOT EXISTS {s}.semaphore_permit (
     _EXTEND,
     _RELEASE,
     _INFO,
+    # SECURITY DEFINER functions: only roles granted EXECUTE may call them.
+    *(f"REVOKE ALL ON FUNCTION {{s}}.{signature} FROM PUBLIC" for signature in FUNCTIONS),
     "COMMENT ON TABLE {s}.semaphore IS 'pglock semaphores: the limit stored by the first "
     "acquire'",
     "COMMENT ON TABLE {s}.semaphore_permit IS 'pglock semaphore permits: one row per holder, "
