@@ -51,6 +51,16 @@ def _names(schema: str) -> dict[str, sql.Composable]:
         "rev": sql.Literal(revision),
         "lock": sql.Literal(install_lock_key(schema)),
         "max_ttl": sql.Literal(86400),
+        # The downgrade's refusal to drop live leases (dynamic SQL: the table may be gone).
+        "lease_table": sql.Literal(f"{s.as_string(None)}.lease"),
+        "lock_leases": sql.Literal(
+            sql.SQL("LOCK TABLE {}.lease IN ACCESS EXCLUSIVE MODE").format(s).as_string(None)
+        ),
+        "count_live": sql.Literal(
+            sql.SQL(
+                "SELECT count(*) FROM {}.lease WHERE expires_at > pg_catalog.clock_timestamp()"
+            ).format(s).as_string(None)
+        ),
     }
 
 
@@ -432,8 +442,30 @@ CREATE TABLE IF NOT EXISTS {s}.lease (
     "INSERT INTO {s}.schema_revision (revision) VALUES ({rev}) ON CONFLICT DO NOTHING",
 ]
 
+# A downgrade never drops a live lease: its holder still believes in it, and the next process
+# would get the name at once. The table is locked first, so no grant slips in before the DROP.
+_REFUSE_LIVE = """
+DO $pglock$
+DECLARE
+    v_live bigint;
+BEGIN
+    IF pg_catalog.to_regclass({lease_table}) IS NULL THEN
+        RETURN;
+    END IF;
+    EXECUTE {lock_leases};
+    EXECUTE {count_live} INTO v_live;
+    IF v_live > 0 THEN
+        RAISE EXCEPTION USING ERRCODE = '55006', MESSAGE = pg_catalog.format(
+            'pglock downgrade refused: %s live lease(s) in %s; release them or let them '
+            'expire (or delete the rows), then downgrade again', v_live, {lease_table});
+    END IF;
+END
+$pglock$
+"""
+
 _DOWNGRADE = [
     "SELECT pg_catalog.pg_advisory_xact_lock({lock})",
+    _REFUSE_LIVE,
     "DROP FUNCTION IF EXISTS {s}.leases(text)",
     "DROP FUNCTION IF EXISTS {s}.info(text)",
     "DROP FUNCTION IF EXISTS {s}.guard(text, text, bigint)",

@@ -61,6 +61,19 @@ def _names(schema: str) -> dict[str, sql.Composable]:
         "lock": sql.Literal(key(f"pglock:install:{schema}")),
         "max_ttl": sql.Literal(86400),
         "mismatch": sql.Literal(LIMIT_MISMATCH),
+        # The downgrade's refusal to drop live permits (dynamic SQL: the table may be gone).
+        "permit_table": sql.Literal(f"{s.as_string(None)}.semaphore_permit"),
+        "lock_permits": sql.Literal(
+            sql.SQL("LOCK TABLE {0}.semaphore, {0}.semaphore_permit IN ACCESS EXCLUSIVE MODE")
+            .format(s)
+            .as_string(None)
+        ),
+        "count_live": sql.Literal(
+            sql.SQL(
+                "SELECT count(*) FROM {}.semaphore_permit"
+                " WHERE expires_at > pg_catalog.clock_timestamp()"
+            ).format(s).as_string(None)
+        ),
     }
 
 
@@ -271,8 +284,30 @@ CREATE TABLE IF NOT EXISTS {s}.semaphore_permit (
     "INSERT INTO {s}.schema_revision (revision) VALUES ({rev}) ON CONFLICT DO NOTHING",
 ]
 
+# A downgrade never drops live permits (their holders still count on them); the tables are
+# locked first, so no grant slips in before the DROP.
+_REFUSE_LIVE = """
+DO $pglock$
+DECLARE
+    v_live bigint;
+BEGIN
+    IF pg_catalog.to_regclass({permit_table}) IS NULL THEN
+        RETURN;
+    END IF;
+    EXECUTE {lock_permits};
+    EXECUTE {count_live} INTO v_live;
+    IF v_live > 0 THEN
+        RAISE EXCEPTION USING ERRCODE = '55006', MESSAGE = pg_catalog.format(
+            'pglock downgrade refused: %s live semaphore permit(s) in %s; release them or let '
+            'them expire (or delete the rows), then downgrade again', v_live, {permit_table});
+    END IF;
+END
+$pglock$
+"""
+
 _DOWNGRADE = [
     "SELECT pg_catalog.pg_advisory_xact_lock({lock})",
+    _REFUSE_LIVE,
     "DROP FUNCTION IF EXISTS {s}.semaphore_info(text)",
     "DROP FUNCTION IF EXISTS {s}.semaphore_release(text, text)",
     "DROP FUNCTION IF EXISTS {s}.semaphore_extend(text, text[], double precision)",
