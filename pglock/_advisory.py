@@ -501,8 +501,6 @@ def _session_lock(
         if conn.autocommit:
             parts = [sql.SQL("BEGIN"), *parts, sql.SQL("COMMIT")]
         stmt = sql.SQL("; ").join(parts)
-    elif len(keys) > 1:
-        stmt = _sql.lock(keys, shared=shared, xact=False, try_=try_)
 
     registering = _registry.pending(
         conn, state, ctx.keys, ctx.names, own_transaction=status != INTRANS
@@ -516,9 +514,11 @@ def _session_lock(
 
     own_tx = status == IDLE and not conn.autocommit
     try:
-        if stmt is None:  # the common case: one key, no timeout, no transaction of the caller's
+        if stmt is None and len(keys) == 1:  # the common case: no timeout, no caller's transaction
             row = _conn.run_one(conn, _sql.LOCK_ONE[(False, shared, try_)], (keys[0],), ctx)
             rows = [(keys[0], row[0] if row else None)]
+        elif stmt is None:
+            rows = _conn.run_rows(conn, _sql.LOCK_MANY[(shared, try_)], (keys,), ctx)
         else:
             rows = _conn.run(conn, stmt, ctx)
         if own_tx:
@@ -623,8 +623,7 @@ def _session_unlock(
             if len(keys) == 1:
                 row = _conn.run_one(conn, _sql.UNLOCK_ONE[shared], (keys[0],))
             else:
-                rows = _conn.run(conn, _sql.unlock(keys, shared=shared))
-                row = rows[0] if rows else None
+                row = _conn.run_one(conn, _sql.UNLOCK_MANY[shared], (keys,))
             ok = ok and bool(row and row[0])
         return ok
 

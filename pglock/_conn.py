@@ -211,6 +211,19 @@ def run_one(
         raise translated from exc
 
 
+def run_rows(
+    conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...], ctx: Context | None = None
+) -> list[tuple[Any, ...]]:
+    """Like :func:`run_one`, returning every row (see ``_sql.LOCK_MANY``)."""
+    try:
+        return conn.execute(query, params).fetchall()
+    except psycopg.Error as exc:
+        translated = translate(exc, ctx or Context())
+        if translated is None:
+            raise
+        raise translated from exc
+
+
 def run_all(
     conn: psycopg.Connection[Any],
     stmt: sql.Composed | sql.SQL | bytes,

@@ -36,6 +36,24 @@ UNLOCK_ONE = {
     False: "SELECT pg_catalog.pg_advisory_unlock(%s)",
     True: "SELECT pg_catalog.pg_advisory_unlock_shared(%s)",
 }
+# The same for several keys (sorted by the caller), as one array parameter: unnest() yields them
+# in order and the function runs once per row in scan order. Session-level only.
+# (shared, try) -> query; try-locks return (key, granted) rows.
+LOCK_MANY = {
+    (shared, try_): (  # func is one of the fixed names above, never input
+        f"SELECT k, pg_catalog.{func}(k) FROM unnest(%s::bigint[])"  # noqa: S608
+        " WITH ORDINALITY AS t(k, i) ORDER BY i"
+        if try_
+        else f"SELECT pg_catalog.{func}(k) FROM unnest(%s::bigint[]) AS k"  # noqa: S608
+    )
+    for (xact, shared, try_), func in _LOCK_FUNCS.items()
+    if not xact
+}
+UNLOCK_MANY = {
+    False: "SELECT bool_and(pg_catalog.pg_advisory_unlock(k)) FROM unnest(%s::bigint[]) AS k",
+    True: "SELECT bool_and(pg_catalog.pg_advisory_unlock_shared(k))"
+    " FROM unnest(%s::bigint[]) AS k",
+}
 
 #: The name registry (see :mod:`pglock._registry`): key -> the name pglock took it for. The
 #: table is found by its name and the start of its comment, in any schema (``pglock`` first).
