@@ -488,14 +488,14 @@ def _session_lock(
         # rolling back to it undoes SET LOCAL; session locks survive the rollback.
         parts: list[sql.Composable] = [_sql.savepoint()]
         if timeout:
-            parts.append(_sql.set_local_timeouts(_ms(timeout)))
+            parts.append(_sql.set_local_timeouts(_ms(timeout), several=len(keys) > 1))
         parts += [_sql.lock(keys, shared=shared, xact=False, try_=try_)]
         parts += [_sql.rollback_to_savepoint()]
         stmt = sql.SQL("; ").join(parts)
         undo = _sql.rollback_to_savepoint()
     elif timeout:
         parts = [
-            _sql.set_local_timeouts(_ms(timeout)),
+            _sql.set_local_timeouts(_ms(timeout), several=len(keys) > 1),
             _sql.lock(keys, shared=shared, xact=False, try_=try_),
         ]
         if conn.autocommit:
@@ -700,7 +700,10 @@ def _xact_acquire(
 
     parts: list[sql.Composable] = [_sql.savepoint()]
     if timeout:
-        parts += [_sql.current_timeouts(), _sql.set_local_timeouts(_ms(timeout))]
+        parts += [
+            _sql.current_timeouts(),
+            _sql.set_local_timeouts(_ms(timeout), several=len(keys) > 1),
+        ]
     parts += [_sql.TRANSACTION_START, _sql.lock(keys, shared=shared, xact=True, try_=try_)]
     # One round trip in the common cases: the savepoint can be released in the same batch
     # unless a partial multi-key try must be rolled back or SET LOCAL must be undone.
@@ -721,13 +724,23 @@ def _xact_acquire(
             _conn.run(conn, _sql.rollback_to_savepoint())  # gives back the keys granted
         return False
     if not released:
-        tail: list[sql.Composable] = [_sql.release_savepoint()]
+        # The caller's timeouts first, still inside pglock's savepoint: should pglock's own
+        # statement_timeout (several keys) cancel the restore, rolling back to the savepoint
+        # leaves the caller's transaction as it was. Released first, it would abort it.
+        tail: list[sql.Composable] = []
         if timeout:
             lock_timeout, statement_timeout = results[0][0]
             tail.append(_sql.restore_timeouts(lock_timeout, statement_timeout))
+        tail.append(_sql.release_savepoint())
         if registering:
             tail.append(_registry.statement(registering))
-        _conn.run(conn, sql.SQL("; ").join(tail))
+        try:
+            _conn.run(conn, sql.SQL("; ").join(tail), ctx)
+        except BaseException as exc:
+            _undo_xact_attempt(conn)
+            if isinstance(exc, LockNotAcquired):
+                return False
+            raise
     _registry.mark(conn, registering)
     _record_xact(state, keys, me, results[-2][0][0])
     logger.debug("acquired transaction lock %r", names)
@@ -741,7 +754,8 @@ def _undo_xact_attempt(conn: psycopg.Connection[Any]) -> None:
         return  # gone, or the batch ended before/after pglock's savepoint was open
     try:
         _conn.run(conn, _sql.rollback_to_savepoint())
-    except psycopg.Error:
+    except (psycopg.Error, LockError):
+        # Never replace the error that made the attempt fail with one from the clean-up.
         logger.warning("could not roll back to pglock's savepoint", exc_info=True)
 
 

@@ -271,11 +271,17 @@ def unlock(keys: Sequence[int], *, shared: bool) -> sql.Composed:
     return sql.SQL("SELECT bool_and({}(k)) FROM unnest({}) AS k").format(func, _keys_array(keys))
 
 
-def set_local_timeouts(timeout_ms: int) -> sql.Composed:
-    """Bound the next statement's lock waits (and the statement itself, for several keys)."""
+def set_local_timeouts(timeout_ms: int, *, several: bool) -> sql.Composed:
+    """Bound the next statement's lock waits, and for ``several`` keys the statement itself.
+
+    A shorter ``statement_timeout`` of the caller's must not cut the requested wait short, so
+    it is always replaced. One key has one wait, which ``lock_timeout`` bounds alone: there
+    ``statement_timeout`` is off, since until pglock restores the caller's settings it bounds
+    pglock's own statements too, and a server that stalls after the grant would otherwise
+    abort the caller's transaction. Several keys wait several times: it bounds their total."""
     value = sql.Literal(f"{timeout_ms}ms")
     return sql.SQL("SET LOCAL lock_timeout = {}; SET LOCAL statement_timeout = {}").format(
-        value, value
+        value, value if several else sql.Literal("0")
     )
 
 

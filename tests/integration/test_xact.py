@@ -305,3 +305,51 @@ def test_xact_lock_bad_arguments(connect: Connect, name: str) -> None:
         with pytest.raises(TypeError):
             pglock.try_xact_lock(c, name, shared=1)  # type: ignore[arg-type]
         assert c.info.transaction_status == INTRANS
+
+
+@pytest.mark.parametrize("keys", [1, 2])
+def test_slow_server_after_a_timed_grant_leaves_the_transaction_usable(
+    connect: Connect, monkeypatch: pytest.MonkeyPatch, keys: int
+) -> None:
+    """The server stalls between granting a timed xact_lock and pglock's restore of the
+    caller's settings (a descheduled backend, simulated by a pg_sleep injected before the
+    restore statement). pglock's own statement_timeout must not then abort the caller's
+    transaction: one key is bounded by lock_timeout alone, so the grant stands; several keys
+    are bounded as a whole, so the overrun is rolled back to pglock's savepoint."""
+    from psycopg import sql
+
+    from pglock import _sql
+
+    restore = _sql.restore_timeouts
+
+    def stalled_restore(lock_timeout: str, statement_timeout: str) -> sql.Composed:
+        return sql.SQL("SELECT pg_catalog.pg_sleep(0.3); {}").format(
+            restore(lock_timeout, statement_timeout)
+        )
+
+    names = list(two_names_by_key()[:keys])
+    c, obs = connect(autocommit=False), connect()
+    c.execute("CREATE TEMP TABLE w (v int)")
+    c.execute("INSERT INTO w VALUES (1)")
+    c.execute("SET LOCAL statement_timeout = '13s'")
+    monkeypatch.setattr(_sql, "restore_timeouts", stalled_restore)
+    if keys == 1:
+        pglock.xact_lock(c, names, timeout=0.05)
+        assert held(obs, c.info.backend_pid) == [xk(names[0])]
+    else:
+        with pytest.raises(pglock.LockNotAcquired):
+            pglock.xact_lock(c, names, timeout=0.05)
+        assert held(obs, c.info.backend_pid) == []
+    assert c.info.transaction_status == INTRANS
+    assert show(c, "statement_timeout") == "13s"
+    assert show(c, "lock_timeout") == "0"
+    assert c.execute("SELECT count(*) FROM w").fetchone() == (1,)  # earlier writes intact
+    c.rollback()
+    # Negative control: the same stall under a statement_timeout of the caller's own, after
+    # pglock's savepoint is gone, does abort the transaction (what pglock must not do).
+    c.execute("SELECT 1")
+    c.execute("SET LOCAL statement_timeout = '50ms'")
+    with pytest.raises(psycopg.errors.QueryCanceled):
+        c.execute(stalled_restore("0", "0"))
+    assert c.info.transaction_status == TransactionStatus.INERROR
+    c.rollback()
