@@ -18,14 +18,11 @@ import contextlib
 import importlib.util
 import os
 import pwd
-import random
 import shutil
 import socket
 import subprocess
 import tempfile
-import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +30,7 @@ from typing import Any
 import psycopg
 import psycopg_pool
 import pytest
-from psycopg import sql
+from _counter import run_counter
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pglock
@@ -357,51 +354,21 @@ def _counter_through_bouncer(
     rounds: int = 10,
 ) -> tuple[int, int]:
     """Lost-update oracle through PgBouncer: each section runs in a transaction on a bouncer
-    connection, reads and writes the counter on a separate direct connection."""
-    table = f"counter_{uuid.uuid4().hex[:12]}"
-    ident = sql.Identifier(table)
-    with psycopg.connect(pg_dsn, autocommit=True, application_name=app_name) as setup:
-        setup.execute(sql.SQL("CREATE TABLE {} (v int)").format(ident))
-        setup.execute(sql.SQL("INSERT INTO {} VALUES (0)").format(ident))
+    connection (taking the transaction lock there), and the counter is read and written on a
+    separate direct connection."""
     conns = [via_bouncer() for _ in range(threads)]
-    acked = 0
-    guard = threading.Lock()
-    errors: list[BaseException] = []
-    start = threading.Barrier(threads)
 
-    def worker(i: int) -> None:
-        nonlocal acked
-        rng = random.Random(i)
-        try:
-            with psycopg.connect(pg_dsn, autocommit=True, application_name=app_name) as side:
-                start.wait(timeout=30)
-                for _ in range(rounds):
-                    with conns[i].transaction():
-                        if locked:
-                            pglock.xact_lock(conns[i], name, timeout=30)
-                        else:
-                            conns[i].execute("SELECT 1")
-                        row = side.execute(sql.SQL("SELECT v FROM {}").format(ident)).fetchone()
-                        assert row is not None
-                        time.sleep(rng.uniform(0, 0.003))
-                        side.execute(sql.SQL("UPDATE {} SET v = %s").format(ident), (row[0] + 1,))
-                    with guard:
-                        acked += 1
-        except BaseException as exc:
-            errors.append(exc)
+    @contextlib.contextmanager
+    def section(i: int) -> Iterator[None]:
+        with conns[i].transaction():
+            if locked:
+                pglock.xact_lock(conns[i], name, timeout=30)
+            else:
+                conns[i].execute("SELECT 1")
+            yield
 
-    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout=90)
-    assert not any(t.is_alive() for t in ts), "a worker hung"
-    assert not errors, errors
-    with psycopg.connect(pg_dsn, autocommit=True, application_name=app_name) as check:
-        row = check.execute(sql.SQL("SELECT v FROM {}").format(ident)).fetchone()
-        check.execute(sql.SQL("DROP TABLE {}").format(ident))
-    assert row is not None
-    return row[0], acked
+    v, _, acked = run_counter(pg_dsn, app_name, section, threads=threads, rounds=rounds)
+    return v, acked
 
 
 def test_xact_lock_mutual_exclusion_through_pgbouncer(

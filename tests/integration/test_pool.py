@@ -8,17 +8,14 @@ another session.
 from __future__ import annotations
 
 import logging
-import random
-import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from typing import Any
 
 import psycopg
 import psycopg_pool
 import pytest
+from _counter import run_counter
 from psycopg import sql
 
 import pglock
@@ -397,65 +394,13 @@ def test_pool_lock_rejects_bad_arguments_before_checkout(
 # --- acceptance: 8 threads, a pool of 4 -----------------------------------------------------
 
 
-def run_counter(
-    pg_dsn: str,
-    app_name: str,
-    pool: psycopg_pool.ConnectionPool[Any],
-    section: Callable[[], AbstractContextManager[Any]],
-    *,
-    threads: int = 8,
-    rounds: int = 12,
-) -> tuple[int, list[str], int]:
-    """The lost-update oracle: each critical section reads the counter on its own separate
-    connection, sleeps 0-3 ms, and writes value+1. Returns (counter, ids, acknowledged)."""
-    table = f"counter_{uuid.uuid4().hex[:12]}"
-    ident = sql.Identifier(table)
-    with psycopg.connect(pg_dsn, autocommit=True, application_name=app_name) as setup:
-        setup.execute(sql.SQL("CREATE TABLE {} (v int, ids text[])").format(ident))
-        setup.execute(sql.SQL("INSERT INTO {} VALUES (0, '{{}}')").format(ident))
-    acknowledged = 0
-    ack_lock = threading.Lock()
-    errors: list[BaseException] = []
-    start = threading.Barrier(threads)
-
-    def worker(i: int) -> None:
-        nonlocal acknowledged
-        rng = random.Random(i)
-        try:
-            with psycopg.connect(pg_dsn, autocommit=True, application_name=app_name) as side:
-                start.wait(timeout=30)
-                for r in range(rounds):
-                    with section():
-                        row = side.execute(sql.SQL("SELECT v, ids FROM {}").format(ident))
-                        v, ids = row.fetchone()  # type: ignore[misc]
-                        time.sleep(rng.uniform(0, 0.003))
-                        side.execute(
-                            sql.SQL("UPDATE {} SET v = %s, ids = %s").format(ident),
-                            (v + 1, [*ids, f"{i}-{r}"]),
-                        )
-                    with ack_lock:
-                        acknowledged += 1
-        except BaseException as exc:
-            errors.append(exc)
-
-    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout=90)
-    assert not any(t.is_alive() for t in ts), "a worker hung"
-    assert not errors, errors
-    with psycopg.connect(pg_dsn, autocommit=True, application_name=app_name) as check:
-        v, ids = check.execute(sql.SQL("SELECT v, ids FROM {}").format(ident)).fetchone()  # type: ignore[misc]
-        check.execute(sql.SQL("DROP TABLE {}").format(ident))
-    return v, ids, acknowledged
-
-
 def test_eight_threads_share_a_pool_of_four_with_mutual_exclusion(
     pg_dsn: str, app_name: str, make_pool: MakePool, other: psycopg.Connection[Any], name: str
 ) -> None:
     pool = make_pool(size=4)
-    v, ids, acked = run_counter(pg_dsn, app_name, pool, lambda: pglock.pool_lock(pool, name))
+    v, ids, acked = run_counter(
+        pg_dsn, app_name, lambda i: pglock.pool_lock(pool, name), rounds=12
+    )
     assert acked == 8 * 12
     assert v == acked
     assert sorted(ids) == sorted(f"{i}-{r}" for i in range(8) for r in range(12))
@@ -471,6 +416,6 @@ def test_negative_control_without_the_lock_loses_updates(
 ) -> None:
     pool = make_pool(size=4)
     # The same pool traffic as pool_lock, without the lock.
-    v, _, acked = run_counter(pg_dsn, app_name, pool, lambda: pool.connection())
+    v, _, acked = run_counter(pg_dsn, app_name, lambda i: pool.connection(), rounds=12)
     assert acked == 8 * 12
     assert v < acked, "the oracle found no lost update without a lock: it proves nothing"

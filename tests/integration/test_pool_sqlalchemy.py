@@ -7,17 +7,14 @@ by pid) unless pglock had the connection invalidated.
 from __future__ import annotations
 
 import logging
-import random
-import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from typing import Any
 
 import psycopg
 import pytest
 import sqlalchemy as sa
+from _counter import run_counter
 from _pgdb import sa_url
 from psycopg import sql
 from sqlalchemy.orm import Session
@@ -327,61 +324,11 @@ def test_release_on_checkin_refuses_other_objects() -> None:
 # --- 8 threads, a QueuePool of 4 --------------------------------------------------------------
 
 
-def run_counter(
-    pg_dsn: str,
-    app_name: str,
-    section: Callable[[], AbstractContextManager[Any]],
-    *,
-    threads: int = 8,
-    rounds: int = 10,
-) -> tuple[int, int]:
-    """Lost-update oracle (see test_pool.run_counter). Returns (counter, acknowledged)."""
-    table = f"counter_{uuid.uuid4().hex[:12]}"
-    ident = sql.Identifier(table)
-    with psycopg.connect(pg_dsn, autocommit=True, application_name=app_name) as setup:
-        setup.execute(sql.SQL("CREATE TABLE {} (v int)").format(ident))
-        setup.execute(sql.SQL("INSERT INTO {} VALUES (0)").format(ident))
-    acked = 0
-    ack_lock = threading.Lock()
-    errors: list[BaseException] = []
-    start = threading.Barrier(threads)
-
-    def worker(i: int) -> None:
-        nonlocal acked
-        rng = random.Random(i)
-        try:
-            with psycopg.connect(pg_dsn, autocommit=True, application_name=app_name) as side:
-                start.wait(timeout=30)
-                for _ in range(rounds):
-                    with section():
-                        row = side.execute(sql.SQL("SELECT v FROM {}").format(ident)).fetchone()
-                        assert row is not None
-                        time.sleep(rng.uniform(0, 0.003))
-                        side.execute(sql.SQL("UPDATE {} SET v = %s").format(ident), (row[0] + 1,))
-                    with ack_lock:
-                        acked += 1
-        except BaseException as exc:
-            errors.append(exc)
-
-    ts = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(timeout=90)
-    assert not any(t.is_alive() for t in ts), "a worker hung"
-    assert not errors, errors
-    with psycopg.connect(pg_dsn, autocommit=True, application_name=app_name) as check:
-        row = check.execute(sql.SQL("SELECT v FROM {}").format(ident)).fetchone()
-        check.execute(sql.SQL("DROP TABLE {}").format(ident))
-    assert row is not None
-    return row[0], acked
-
-
 def test_eight_threads_share_a_queue_pool_of_four(
     pg_dsn: str, app_name: str, make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
 ) -> None:
     engine = make_engine(size=4)
-    v, acked = run_counter(pg_dsn, app_name, lambda: pglock.pool_lock(engine, name))
+    v, _, acked = run_counter(pg_dsn, app_name, lambda i: pglock.pool_lock(engine, name))
     assert acked == 80
     assert v == acked
     assert engine.pool.checkedout() == 0  # type: ignore[attr-defined]
@@ -397,7 +344,7 @@ def test_negative_control_queue_pool_without_the_lock_loses_updates(
     pg_dsn: str, app_name: str, make_engine: MakeEngine
 ) -> None:
     engine = make_engine(size=4)
-    v, acked = run_counter(pg_dsn, app_name, lambda: engine.connect())
+    v, _, acked = run_counter(pg_dsn, app_name, lambda i: engine.connect())
     assert acked == 80
     assert v < acked, "the oracle found no lost update without a lock: it proves nothing"
 
