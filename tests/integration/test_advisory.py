@@ -14,6 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from _truth import held, holders
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
@@ -25,26 +26,6 @@ INTRANS = TransactionStatus.INTRANS
 
 
 # --- helpers --------------------------------------------------------------------------------
-
-
-def held(observer: psycopg.Connection[Any], pid: int) -> list[tuple[int, str]]:
-    """(key, mode) of the advisory locks granted to backend ``pid``, as pg_locks shows them."""
-    rows = observer.execute(
-        "SELECT (classid::bigint << 32) | objid::bigint, mode FROM pg_locks "
-        "WHERE locktype = 'advisory' AND objsubid = 1 AND granted AND pid = %s ORDER BY 1, 2",
-        (pid,),
-    ).fetchall()
-    return [(k, m) for k, m in rows]
-
-
-def holders(observer: psycopg.Connection[Any], name: str) -> list[tuple[int, str]]:
-    """(pid, mode) of every session holding ``name``."""
-    rows = observer.execute(
-        "SELECT pid, mode FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 "
-        "AND granted AND (classid::bigint << 32) | objid::bigint = %s ORDER BY 1",
-        (pglock.key(name),),
-    ).fetchall()
-    return [(p, m) for p, m in rows]
 
 
 def wait_until_waiting(observer: psycopg.Connection[Any], pid: int, deadline: float = 10) -> None:

@@ -14,19 +14,11 @@ import psycopg_pool
 import pytest
 import sqlalchemy as sa
 from _pgdb import sa_url
+from _truth import holder_pids as holders
 
 import pglock
 
 Connect = Callable[..., psycopg.Connection[Any]]
-
-
-def holders(observer: psycopg.Connection[Any], full_name: str) -> list[int]:
-    rows = observer.execute(
-        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted "
-        "AND (classid::bigint << 32) | objid::bigint = %s",
-        (pglock.key(full_name),),
-    ).fetchall()
-    return [r[0] for r in rows]
 
 
 def sessions(observer: psycopg.Connection[Any], app_name: str) -> int:

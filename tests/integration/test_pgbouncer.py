@@ -31,6 +31,7 @@ import psycopg
 import psycopg_pool
 import pytest
 from _counter import run_counter
+from _truth import holder_pids as holders
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pglock
@@ -199,16 +200,6 @@ def via_bouncer(bouncer: Bouncer, app_name: str) -> Iterator[Connect]:
     yield factory
     for c in opened:
         c.close()
-
-
-def holders(observer: psycopg.Connection[Any], name: str) -> list[int]:
-    """Server backends (any) holding ``name``, seen directly, not through the bouncer."""
-    rows = observer.execute(
-        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted "
-        "AND (classid::bigint << 32) | objid::bigint = %s",
-        (pglock.key(name),),
-    ).fetchall()
-    return [r[0] for r in rows]
 
 
 # --- detection ------------------------------------------------------------------------------

@@ -14,20 +14,12 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 from _pgdb import sa_url
+from _truth import held
 from sqlalchemy.orm import Session
 
 import pglock
 
 Connect = Callable[..., psycopg.Connection[Any]]
-
-
-def held(observer: psycopg.Connection[Any], pid: int) -> list[tuple[int, str]]:
-    rows = observer.execute(
-        "SELECT (classid::bigint << 32) | objid::bigint, mode FROM pg_locks "
-        "WHERE locktype = 'advisory' AND objsubid = 1 AND granted AND pid = %s ORDER BY 1, 2",
-        (pid,),
-    ).fetchall()
-    return [(k, m) for k, m in rows]
 
 
 def xk(name: str) -> tuple[int, str]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from _truth import held
 from psycopg.pq import TransactionStatus
 
 import pglock
@@ -18,15 +19,6 @@ import pglock
 Connect = Callable[..., psycopg.Connection[Any]]
 IDLE = TransactionStatus.IDLE
 INTRANS = TransactionStatus.INTRANS
-
-
-def held(observer: psycopg.Connection[Any], pid: int) -> list[tuple[int, str]]:
-    rows = observer.execute(
-        "SELECT (classid::bigint << 32) | objid::bigint, mode FROM pg_locks "
-        "WHERE locktype = 'advisory' AND objsubid = 1 AND granted AND pid = %s ORDER BY 1, 2",
-        (pid,),
-    ).fetchall()
-    return [(k, m) for k, m in rows]
 
 
 def xk(name: str) -> tuple[int, str]:

@@ -22,6 +22,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 from _pgdb import sa_url, throwaway_database, with_params
+from _truth import holder_pids as holders
 from psycopg import sql
 
 import pglock
@@ -243,15 +244,6 @@ def test_blocking_waiter_stalls_create_index_concurrently_a_polling_one_does_not
 
 
 # --- the API ---------------------------------------------------------------------------------
-
-
-def holders(observer: psycopg.Connection[Any], name: str) -> list[int]:
-    rows = observer.execute(
-        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted "
-        "AND (classid::bigint << 32) | objid::bigint = %s",
-        (pglock.key(name),),
-    ).fetchall()
-    return [r[0] for r in rows]
 
 
 @pytest.fixture
