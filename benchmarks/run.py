@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib.util
 import json
 import os
 import platform
@@ -569,7 +570,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     path.write_text(json.dumps(result, indent=2, sort_keys=False, default=str) + "\n")
     (args.out / f"{stem}.md").write_text(md)
     print(f"wrote {path}", flush=True)
-    if not args.no_chart:
+    if not args.no_chart and importlib.util.find_spec("matplotlib") is None:
+        print("no chart: matplotlib is not installed (pip install -e '.[bench]')", flush=True)
+    elif not args.no_chart:
         from ._chart import draw
 
         chart = args.out / ("chart-quick.png" if args.quick else "chart.png")
