@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +41,9 @@ from psycopg import sql
 
 from . import _conn, _registry, _sql
 from ._conn import IDLE, INERROR, INTRANS, ConnState, Context, KeyHold, Target
+from ._keys import deadline as _deadline
 from ._keys import normalize_names, validate_flag, validate_timeout
+from ._keys import remaining as _remaining
 from .errors import InvalidConnectionState, LockError, LockLost, LockNotAcquired
 
 if TYPE_CHECKING:
@@ -294,14 +295,6 @@ def try_xact_lock(conn: object, names: str | Sequence[str], *, shared: bool = Fa
 
 
 # --- implementation ------------------------------------------------------------------------
-
-
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def _reserve(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import time
 
 #: The longest name accepted, in UTF-8 bytes. Lease names are a primary key and Postgres btree
 #: index rows are limited to about 2704 bytes, so the cap stays well below that.
@@ -118,3 +119,13 @@ def validate_flag(value: object, what: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{what} must be True or False, not {type(value).__name__}")
     return value
+
+
+def deadline(timeout: float | None) -> float | None:
+    """The monotonic instant a wait of ``timeout`` seconds ends (None: never)."""
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def remaining(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (never negative; None: no deadline)."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -53,6 +53,7 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from . import _conn, _sql
+from ._keys import remaining as _remaining
 from ._keys import validate_flag, validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
 from ._source import Source, close_dsn_sources, open_listening
@@ -1278,10 +1279,6 @@ class Lease:
                 self._on_lost(self)
             except Exception:
                 logger.exception("the on_lost callback of lease %r raised", self._name)
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def lease(

@@ -43,6 +43,7 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from . import _conn, _sql
+from ._keys import remaining as _remaining
 from ._keys import validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, validate_schema
 from ._source import DsnSource, Source, open_listening
@@ -790,10 +791,6 @@ class Semaphore:
                         p._lost = "the renewal found it expired (its holder paused too long)"
                         logger.warning("semaphore %r: permit lost: %s", self._name, p._lost)
             next_at = sent + interval
-
-
-def _remaining(deadline: float | None) -> float | None:
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 def semaphore(
