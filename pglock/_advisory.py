@@ -454,7 +454,7 @@ def _safe_rollback(conn: psycopg.Connection[Any]) -> None:
     try:
         if conn.autocommit:
             if conn.info.transaction_status != IDLE:
-                conn.execute("ROLLBACK")
+                _conn.fetch(conn, b"ROLLBACK")
         else:
             conn.rollback()
     except psycopg.Error:

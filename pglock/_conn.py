@@ -17,12 +17,15 @@ import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg import sql
+from psycopg.adapt import AdaptersMap
 from psycopg.pq import TransactionStatus
+from psycopg.rows import tuple_row
 
 from . import _sql
 from .errors import (
@@ -185,9 +188,90 @@ class Context:
         return self.keys[0] if self.keys else None
 
 
+class _Cursor(psycopg.Cursor[tuple[Any, ...]]):
+    """pglock's own cursor (server-side binding): tuple rows and psycopg's default adapters,
+    whatever row factory, cursor class, loaders or dumpers the caller's connection has."""
+
+    __slots__ = ()
+
+    @property
+    def adapters(self) -> AdaptersMap:
+        return _ADAPTERS
+
+
+class _ClientCursor(psycopg.ClientCursor[tuple[Any, ...]]):
+    """The same with client-side binding, for a connection whose owner chose it (a proxy that
+    speaks only the simple query protocol): text results only, never prepared."""
+
+    __slots__ = ()
+
+    @property
+    def adapters(self) -> AdaptersMap:
+        return _ADAPTERS
+
+
+#: psycopg's default adapters as they were when pglock was imported. pglock sends its
+#: parameters and reads its results with these, never with a loader or dumper that a caller
+#: registered on a connection (one that loads ``bool`` as text would turn every refusal into a
+#: grant).
+_ADAPTERS = AdaptersMap(psycopg.adapters)
+
+
+def cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[tuple[Any, ...]]:
+    """A new cursor of pglock's own on ``conn``: the one way pglock executes SQL.
+
+    Rows are plain tuples read with psycopg's default loaders, whatever ``conn.row_factory``,
+    ``conn.cursor_factory`` and ``conn.adapters`` say. A connection whose cursor factory binds
+    parameters client-side (``psycopg.ClientCursor`` and subclasses) keeps that protocol;
+    every other one (``RawCursor`` included) gets server-side binding with ``%s`` placeholders.
+    """
+    factory = conn.cursor_factory
+    if isinstance(factory, type) and issubclass(factory, psycopg.ClientCursor):
+        return _ClientCursor(conn, row_factory=tuple_row)
+    return _Cursor(conn, row_factory=tuple_row)
+
+
+def fetch(
+    conn: psycopg.Connection[Any],
+    query: str | bytes | sql.SQL | sql.Composed,
+    params: Sequence[Any] | None = None,
+    *,
+    binary: bool = False,
+) -> list[list[tuple[Any, ...]]]:
+    """Execute ``query`` on pglock's own cursor; return the rows of every statement that
+    returns rows, in order. Errors pass unchanged (see :func:`translate`).
+
+    Without ``params`` a query may hold several ``;``-joined statements (one simple-query
+    round trip, never prepared). With ``params`` it is one statement, prepared as the
+    connection's ``prepare_threshold`` says. ``binary`` asks for binary results where the
+    protocol allows it (not with client-side binding, which reads them as text), and ``%b``
+    placeholders become ``%s`` there.
+    """
+    with cursor(conn) as cur:
+        if params is None:
+            cur.execute(query, prepare=False)
+        elif isinstance(cur, _ClientCursor):
+            if binary and isinstance(query, bytes):
+                query = _text_placeholders(query)
+            cur.execute(query, params)
+        else:
+            cur.execute(query, params, binary=binary)
+        results: list[list[tuple[Any, ...]]] = []
+        while True:
+            if cur.description is not None:
+                results.append(cur.fetchall())
+            if not cur.nextset():
+                return results
+
+
+@lru_cache(maxsize=16)
+def _text_placeholders(query: bytes) -> bytes:
+    return query.replace(b"%b", b"%s")
+
+
 def run(
     conn: psycopg.Connection[Any],
-    stmt: sql.Composed | sql.SQL | bytes,
+    stmt: sql.SQL | sql.Composed | str | bytes,
     ctx: Context | None = None,
 ) -> list[tuple[Any, ...]]:
     """Execute ``stmt`` (one or several ``;``-joined statements) and return the rows of the
@@ -202,13 +286,8 @@ def run_one(
     """Execute one fixed, parameterized statement from :mod:`pglock._sql`; return its first row.
 
     The fast path for single-key statements (see ``_sql.LOCK_ONE``)."""
-    try:
-        return conn.execute(query, params).fetchone()
-    except psycopg.Error as exc:
-        translated = translate(exc, ctx or Context())
-        if translated is None:
-            raise
-        raise translated from exc
+    rows = run_rows(conn, query, params, ctx)
+    return rows[0] if rows else None
 
 
 def run_rows(
@@ -216,31 +295,25 @@ def run_rows(
 ) -> list[tuple[Any, ...]]:
     """Like :func:`run_one`, returning every row (see ``_sql.LOCK_MANY``)."""
     try:
-        return conn.execute(query, params).fetchall()
+        results = fetch(conn, query, params)
     except psycopg.Error as exc:
         translated = translate(exc, ctx or Context())
         if translated is None:
             raise
         raise translated from exc
+    return results[-1] if results else []
 
 
 def run_all(
     conn: psycopg.Connection[Any],
-    stmt: sql.Composed | sql.SQL | bytes,
+    stmt: sql.SQL | sql.Composed | str | bytes,
     ctx: Context | None = None,
 ) -> list[list[tuple[Any, ...]]]:
     """Execute ``stmt`` and return the rows of every statement that returns rows, in order.
 
     Postgres errors that mean something for a lock become pglock errors here, by SQLSTATE."""
     try:
-        with conn.cursor() as cur:
-            cur.execute(stmt)
-            results: list[list[tuple[Any, ...]]] = []
-            while True:
-                if cur.description is not None:
-                    results.append(cur.fetchall())
-                if not cur.nextset():
-                    return results
+        return fetch(conn, stmt)
     except psycopg.Error as exc:
         translated = translate(exc, ctx or Context())
         if translated is None:

@@ -248,9 +248,7 @@ def _execute(
             _count(kind)
             try:
                 if attempt == 0:
-                    with conn.cursor() as cur:
-                        cur.execute(query, params, binary=binary)
-                        return cur.fetchall()
+                    return _conn.fetch(conn, query, params, binary=binary)[0]
                 return _execute_read_committed(conn, query, params, binary)
             except (pg_errors.SerializationFailure, pg_errors.DeadlockDetected) as exc:
                 # Under a REPEATABLE READ or SERIALIZABLE default isolation, concurrent lease
@@ -287,19 +285,17 @@ def _execute_read_committed(
     """``query`` in an explicit READ COMMITTED transaction on the autocommit ``conn``: three
     round trips, only for a statement that already failed at the session's default level."""
     _count("retry_read_committed")
-    conn.execute(_retry_sql("begin"))
+    _conn.fetch(conn, _retry_sql("begin"))
     try:
-        with conn.cursor() as cur:
-            cur.execute(query, params, binary=binary)
-            rows = cur.fetchall()
-        conn.execute(_retry_sql("commit"))
+        rows = _conn.fetch(conn, query, params, binary=binary)[0]
+        _conn.fetch(conn, _retry_sql("commit"))
         return rows
     except BaseException:
         if not (conn.closed or conn.broken) and (
             conn.info.transaction_status != TransactionStatus.IDLE
         ):
             try:
-                conn.execute(_retry_sql("rollback"))
+                _conn.fetch(conn, _retry_sql("rollback"))
             except psycopg.Error:
                 logger.debug("rolling back a lease retry failed", exc_info=True)
         raise
@@ -1193,9 +1189,8 @@ class Lease:
             token, gen = self._token, self._gen
         try:
             _count("guard")
-            with pg.cursor() as cur:
-                cur.execute(_stmt("guard", self._schema), (self._name, self._holder, token))
-                row = cur.fetchone()
+            found = _conn.fetch(pg, _stmt("guard", self._schema), (self._name, self._holder, token))
+            row = found[0][0] if found[0] else None
         except psycopg.Error as exc:
             translated = _translate(exc, pg, self._schema)
             if translated is None:
@@ -1356,9 +1351,7 @@ def _query(
     own = status == TransactionStatus.IDLE and not pg.autocommit
     try:
         _count(kind)
-        with pg.cursor() as cur:
-            cur.execute(_stmt(kind, schema), params)
-            rows = cur.fetchall()
+        rows = _conn.fetch(pg, _stmt(kind, schema), params)[0]
     except psycopg.Error as exc:
         if own and not pg.broken:
             pg.rollback()

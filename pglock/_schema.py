@@ -25,7 +25,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from . import _sql
+from . import _conn, _sql
 from ._keys import key
 
 #: The schema pglock installs into unless told otherwise.
@@ -152,13 +152,10 @@ def installed_revisions(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCH
     Runs in the caller's transaction if one is open, else in its own autocommit statement.
     """
     schema = validate_schema(schema)
-    with conn.cursor() as cur:
-        cur.execute(_sql.schema_revision_table(schema))
-        row = cur.fetchone()
-        if row is None or row[0] is None:
-            return []
-        cur.execute(_sql.schema_revisions(schema))
-        return [r[0] for r in cur.fetchall()]
+    rows = _conn.fetch(conn, _sql.schema_revision_table(schema))[0]
+    if not rows or rows[0][0] is None:
+        return []
+    return [r[0] for r in _conn.fetch(conn, _sql.schema_revisions(schema))[0]]
 
 
 def install(target: str | psycopg.Connection[Any], *, schema: str = DEFAULT_SCHEMA) -> list[str]:
@@ -196,14 +193,14 @@ def install(target: str | psycopg.Connection[Any], *, schema: str = DEFAULT_SCHE
 
 def _install(conn: psycopg.Connection[Any], schema: str, plan: list[Revision]) -> list[str]:
     applied: list[str] = []
-    with conn.transaction(), conn.cursor() as cur:
-        cur.execute(_sql.schema_install_lock(install_lock_key(schema)))
+    with conn.transaction():
+        _conn.fetch(conn, _sql.schema_install_lock(install_lock_key(schema)))
         done = set(installed_revisions(conn, schema))
         for rev in plan:
             if rev.revision in done:
                 continue
             for stmt in rev.upgrade_statements(schema):
-                cur.execute(stmt)
+                _conn.fetch(conn, stmt)
             applied.append(rev.revision)
     return applied
 

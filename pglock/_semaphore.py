@@ -157,7 +157,7 @@ def _execute(
         return _conn.run(conn, stmt)
     except psycopg.Error as exc:
         if not (conn.closed or conn.broken) and _in_failed_transaction(conn):
-            conn.execute("ROLLBACK")
+            _conn.fetch(conn, b"ROLLBACK")
         if isinstance(
             exc,
             (pg_errors.UndefinedFunction, pg_errors.UndefinedTable, pg_errors.InvalidSchemaName),

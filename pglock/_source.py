@@ -143,11 +143,11 @@ def _alive(conn: psycopg.Connection[Any]) -> bool:
     count("ping")
     try:
         if conn.autocommit or conn.info.transaction_status != TransactionStatus.IDLE:
-            conn.execute(b"")
+            _conn.fetch(conn, b"")
         else:
             conn.autocommit = True
             try:
-                conn.execute(b"")
+                _conn.fetch(conn, b"")
             finally:
                 if not (conn.closed or conn.broken):
                     conn.autocommit = False
@@ -392,7 +392,7 @@ def open_listening(
     """A new connection of ``source``'s own that LISTENs on ``channel``, and how to close it."""
     conn, close = source.open_listener()
     try:
-        conn.execute(_sql.listen(channel))
+        _conn.fetch(conn, _sql.listen(channel))
     except BaseException:
         close()
         raise

@@ -222,10 +222,10 @@ def _json_default(value: object) -> str:
 
 def status_snapshot(conn: Any, names: list[str] | None, schema: str) -> dict[str, Any]:
     """What ``pglock status`` shows, as plain data (the ``--json`` document)."""
-    from . import _inspect, _lease, _sql
+    from . import _conn, _inspect, _lease, _sql
     from .errors import SchemaNotInstalled
 
-    info = conn.execute(_sql.STATUS_HEADER).fetchone()
+    info = _conn.fetch(conn, _sql.STATUS_HEADER)[0][0]
     locks = _inspect.advisory_locks(conn, names)
     doc: dict[str, Any] = {
         "database": info[0],

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import datetime
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -34,7 +33,7 @@ from typing import Any
 import psycopg
 import pytest
 from _pgdb import throwaway_database, with_params
-from psycopg import sql
+from _wire import RecordingConnection
 from psycopg_pool import ConnectionPool
 
 import pglock
@@ -60,25 +59,6 @@ def db(pg_dsn: str) -> Iterator[str]:
 def admin(db: str) -> Iterator[psycopg.Connection[Any]]:
     with psycopg.connect(db, autocommit=True, application_name="pglock-clock-admin") as c:
         yield c
-
-
-class CountingCursor(psycopg.Cursor[Any]):
-    """Counts the lease acquire statements sent through it."""
-
-    acquires = 0
-    lock = threading.Lock()
-
-    def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
-        if isinstance(query, bytes):
-            text = query.decode("utf-8", "replace")
-        elif isinstance(query, sql.Composable):
-            text = query.as_string(self.connection)
-        else:
-            text = str(query)
-        if ".acquire(" in text:
-            with CountingCursor.lock:
-                CountingCursor.acquires += 1
-        return super().execute(query, params, **kwargs)
 
 
 def skew_wall_clock(monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
@@ -136,8 +116,16 @@ def test_T13_client_wall_clock_an_hour_off_changes_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     dsn = with_params(db, application_name=app_name)
-    kwargs = {"autocommit": True, "cursor_factory": CountingCursor}
-    with ConnectionPool(dsn, min_size=1, max_size=4, kwargs=kwargs) as pool:
+    kwargs = {"autocommit": True}
+    recorded = len(RecordingConnection.instances)
+    with ConnectionPool(
+        dsn, min_size=1, max_size=4, kwargs=kwargs, connection_class=RecordingConnection
+    ) as pool:
+
+        def acquires_sent() -> int:
+            conns = RecordingConnection.instances[recorded:]
+            return sum(".acquire(" in s for c in conns for s in c.sent)
+
         skew_wall_clock(monkeypatch, skew)
         server_now = admin.execute("SELECT clock_timestamp()").fetchone()
         assert server_now is not None
@@ -170,9 +158,9 @@ def test_T13_client_wall_clock_an_hour_off_changes_nothing(
             # hour late, no spinning on a wait computed from a wrong clock).
             b = pglock.lease(pool, name, ttl=5)
             assert b.acquire(timeout=0) is False
-            sent = CountingCursor.acquires
+            sent = acquires_sent()
             assert b.acquire(timeout=10)
-            acquires = CountingCursor.acquires - sent
+            acquires = acquires_sent() - sent
             assert b.acquired_at is not None and b.token is not None and a.token is not None
             assert expires_at <= b.acquired_at < expires_at + datetime.timedelta(seconds=1)
             assert b.token > a.token

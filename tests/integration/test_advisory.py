@@ -15,6 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 from _truth import held, holders
+from _wire import RecordingConnection
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
@@ -63,39 +64,14 @@ def two_names_by_key() -> tuple[str, str]:
     return (a, b) if pglock.key(a) < pglock.key(b) else (b, a)
 
 
-class CountingCursor(psycopg.Cursor[Any]):
-    def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
-        self.connection.sent.append(str(query))  # type: ignore[attr-defined]
-        return super().execute(query, *args, **kwargs)
-
-
-class CountingConnection(psycopg.Connection[Any]):
-    """A psycopg connection that records every statement and transaction command it sends."""
-
-    sent: list[str]
-
-    def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
-        self.sent.append(str(query))
-        return super().execute(query, *args, **kwargs)
-
-    def commit(self) -> None:
-        self.sent.append("COMMIT")
-        super().commit()
-
-    def rollback(self) -> None:
-        self.sent.append("ROLLBACK")
-        super().rollback()
-
-
 @pytest.fixture
 def counting(pg_dsn: str, app_name: str, other: psycopg.Connection[Any]) -> Iterator[Connect]:
-    opened: list[CountingConnection] = []
+    opened: list[RecordingConnection] = []
 
-    def factory(autocommit: bool = True) -> CountingConnection:
-        c = CountingConnection.connect(
-            pg_dsn, autocommit=autocommit, application_name=app_name, cursor_factory=CountingCursor
+    def factory(autocommit: bool = True) -> RecordingConnection:
+        c: RecordingConnection = RecordingConnection.connect(
+            pg_dsn, autocommit=autocommit, application_name=app_name
         )
-        c.sent = []
         opened.append(c)
         return c
 

@@ -14,36 +14,13 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 from _pgdb import sa_url
+from _wire import RecordingConnection
 
 import pglock
 from pglock import _conn
 from pglock._keys import MAX_TIMEOUT
 
 NAME = "test:bad-input"
-
-
-class CountingCursor(psycopg.Cursor[Any]):
-    def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
-        self.connection.sent.append(str(query))  # type: ignore[attr-defined]
-        return super().execute(query, *args, **kwargs)
-
-
-class CountingConnection(psycopg.Connection[Any]):
-    """Records every statement and transaction command sent through it."""
-
-    sent: list[str]
-
-    def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
-        self.sent.append(str(query))
-        return super().execute(query, *args, **kwargs)
-
-    def commit(self) -> None:
-        self.sent.append("COMMIT")
-        super().commit()
-
-    def rollback(self) -> None:
-        self.sent.append("ROLLBACK")
-        super().rollback()
 
 
 def enter(conn: object, names: object = NAME, **kwargs: Any) -> None:
@@ -144,17 +121,15 @@ CASES += [
 @pytest.fixture
 def subject_factory(
     pg_dsn: str, app_name: str, other: psycopg.Connection[Any]
-) -> Iterator[Callable[[str], CountingConnection]]:
-    opened: list[CountingConnection] = []
+) -> Iterator[Callable[[str], RecordingConnection]]:
+    opened: list[RecordingConnection] = []
 
-    def make(state: str) -> CountingConnection:
-        c = CountingConnection.connect(
+    def make(state: str) -> RecordingConnection:
+        c: RecordingConnection = RecordingConnection.connect(
             pg_dsn,
             autocommit=(state == "autocommit"),
             application_name=app_name,
-            cursor_factory=CountingCursor,
         )
-        c.sent = []
         opened.append(c)
         if state == "intrans":
             c.execute("SELECT 1")
@@ -163,7 +138,7 @@ def subject_factory(
                 c.execute("SELECT 1/0")
         elif state == "closed":
             c.close()
-        c.sent = []
+        c.sent.clear()
         return c
 
     yield make
@@ -238,7 +213,7 @@ def test_there_are_enough_cases() -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input_fails_before_any_sql(
     case: Case,
-    subject_factory: Callable[[str], CountingConnection],
+    subject_factory: Callable[[str], RecordingConnection],
     wrong_conn: Callable[[str], tuple[object, int | None]],
     other: psycopg.Connection[Any],
 ) -> None:
@@ -280,7 +255,7 @@ def test_messages_say_what_is_accepted(conn: psycopg.Connection[Any]) -> None:
 
 
 def test_control_a_valid_call_is_seen_by_the_oracle(
-    subject_factory: Callable[[str], CountingConnection], other: psycopg.Connection[Any]
+    subject_factory: Callable[[str], RecordingConnection], other: psycopg.Connection[Any]
 ) -> None:
     """Negative control for the oracle above: a valid call does change what it watches."""
     subject = subject_factory("intrans")

@@ -15,30 +15,13 @@ from typing import Any
 import psycopg
 import pytest
 from _pgdb import sa_url, throwaway_database
+from _wire import RecordingConnection
 from psycopg import sql
 
 import pglock
 from pglock import _registry
 
 Connect = Callable[..., psycopg.Connection[Any]]
-
-
-class RecordingCursor(psycopg.Cursor[Any]):
-    def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(query, bytes):
-            text = query.decode()
-        elif isinstance(query, str):
-            text = query
-        else:
-            text = query.as_string(self.connection)
-        self.connection.sent.append(text)  # type: ignore[attr-defined]
-        return super().execute(query, *args, **kwargs)
-
-
-class RecordingConnection(psycopg.Connection[Any]):
-    """Records every statement it sends (one entry per round trip)."""
-
-    sent: list[str]
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +47,7 @@ def open_(app_name: str) -> Iterator[Callable[..., psycopg.Connection[Any]]]:
         kwargs.setdefault("application_name", app_name)
         kwargs.setdefault("autocommit", True)
         if record:
-            c: psycopg.Connection[Any] = RecordingConnection.connect(
-                dsn, cursor_factory=RecordingCursor, **kwargs
-            )
-            c.sent = []  # type: ignore[attr-defined]
+            c: psycopg.Connection[Any] = RecordingConnection.connect(dsn, **kwargs)
         else:
             c = psycopg.connect(dsn, **kwargs)
         opened.append(c)
