@@ -111,7 +111,10 @@ def test_one_leader_callbacks_and_handover(
     assert b.term is not None and b.term > term_a
     b.resign()
     assert events == ["a+", "a-", "b+", "b-"]
-    assert leader_backends(conn, name, app_name) == []
+    # The lock goes with the leader's session, which ends just after its client closed it.
+    wait_until(
+        lambda: leader_backends(conn, name, app_name) == [], what="the leader session to end"
+    )
     # A resigned candidate can campaign again, with a new, larger term.
     a.start()
     assert a.wait_elected(10)
