@@ -2,7 +2,8 @@
 
 Postgres shows an advisory lock in ``pg_locks`` as two 32-bit numbers. pglock joins
 ``pg_locks`` with ``pg_stat_activity`` (who: pid, application, client, query) and with its name
-registry (``pglock.lock_names``, see :mod:`pglock._registry`) to put the lock's name back.
+registry (``<schema>.lock_names`` of the pglock schema only, see :mod:`pglock._registry`) to
+put the lock's name back.
 
 What Postgres does not record is *when* an advisory lock was granted. :class:`AdvisoryLock`
 says what can be derived, and how (:attr:`AdvisoryLock.held_since_basis`):
@@ -132,7 +133,7 @@ class AdvisoryLock:
 
 
 def advisory_locks(
-    conn: object, name: str | Sequence[str] | None = None
+    conn: object, name: str | Sequence[str] | None = None, *, schema: str = DEFAULT_SCHEMA
 ) -> list[AdvisoryLock]:
     """Who holds and who waits for advisory locks in ``conn``'s database.
 
@@ -143,9 +144,13 @@ def advisory_locks(
     :param conn: a psycopg ``Connection`` (or a SQLAlchemy ``Connection``/``Session``); an idle
         connection is left idle.
     :param name: only this lock name (or these names); None lists every advisory lock.
+    :param schema: the pglock schema whose name registry (``<schema>.lock_names``) gives the
+        names. Only that table is read, and only when pglock can trust it (owned by the
+        schema's owner, a trusted role; no trigger, rule or row security: see
+        docs/guarantees.md); otherwise every name is None.
     :returns: one :class:`AdvisoryLock` per holding or waiting session.
-    :raises TypeError: ``conn`` or ``name`` has the wrong type.
-    :raises ValueError: an invalid name.
+    :raises TypeError: ``conn``, ``name`` or ``schema`` has the wrong type.
+    :raises ValueError: an invalid name or schema name.
 
     Example::
 
@@ -153,12 +158,13 @@ def advisory_locks(
             print(lock.label, lock.pid, lock.application_name, lock.granted, lock.held_for)
     """
     keys = None if name is None else [k for k, _ in normalize_names(name)]
+    validate_schema(schema)
     target = _conn.resolve(conn)
     c = target.conn
     waitstart = c.info.server_version >= 140000
 
     def query() -> list[tuple[Any, ...]]:
-        names_schema = _conn.run(c, _sql.NAMES_READABLE)[0][0]
+        names_schema = _conn.run(c, _sql.names_readable(schema))[0][0]
         return _conn.run(
             c, _sql.advisory_locks(keys, names_schema=names_schema, waitstart=waitstart)
         )

@@ -18,6 +18,15 @@ Cost, by design:
   the caller's transaction;
 * it is only sent when the connection's first pglock statement (the probe) found the table
   and the INSERT privilege: ``REVOKE INSERT ON pglock.lock_names FROM <role>`` turns it off.
+
+Where, by design (issue 11 item 3): an INSERT runs the table's triggers and rules as the
+locking role, so the registry is ``pglock.lock_names`` of the pglock schema and nothing else
+(never a table found by name in another schema; the lock APIs take no schema, so the default
+one), and only when the probe finds it to be pglock's own: a plain table with pglock's
+comment, no trigger, rule or row security, owned by the owner of the schema, a role the
+current role trusts (itself, a role it is a member of, a superuser, the database owner). The
+check is :func:`pglock._sql._names_schema`; a database without the schema gets no
+registration at all.
 """
 
 from __future__ import annotations

@@ -55,32 +55,47 @@ UNLOCK_MANY = {
     " FROM unnest(%s::bigint[]) AS k",
 }
 
-#: The name registry (see :mod:`pglock._registry`): key -> the name pglock took it for. The
-#: table is found by its name and the start of its comment, in any schema (``pglock`` first).
+#: The name registry (see :mod:`pglock._registry`): key -> the name pglock took it for, in
+#: ``<schema>.lock_names`` of the configured pglock schema only, never found by name elsewhere.
 NAMES_TABLE = "lock_names"
 NAMES_MARKER = "pglock name registry"
 DEFAULT_SCHEMA = "pglock"
 
 
-def _names_schema(privilege: str) -> sql.Composed:
-    """The schema of the name registry when it exists and the current role may use it this
-    way, else NULL. A catalog lookup: ``to_regclass`` would raise without USAGE on the schema
-    (and ``obj_description()`` would cost four times as much as this subquery)."""
+def _names_schema(schema: str, privilege: str) -> sql.Composed:
+    """``schema`` when its name registry may be used this way by the current role, else NULL.
+
+    An INSERT runs the table's triggers (and rules) as the inserting role and a read applies
+    its row-security policies, so pglock uses only a table it can trust (issue 11 item 3):
+    ``<schema>.lock_names``, a plain table carrying pglock's comment, with no trigger, rule or
+    row security, owned by the owner of the schema, who is the current role, a role it is a
+    member of, a superuser or the database owner. A superuser counts only itself, superusers
+    and the database owner: ``pg_has_role`` says a superuser is a member of every role,
+    including one that planted a schema called ``pglock``. Then the privileges: USAGE on the
+    schema and ``privilege`` on the table. One catalog lookup (``to_regclass`` would raise
+    without USAGE on the schema; ``obj_description()`` costs four times this subquery)."""
     return sql.SQL(
-        "(SELECT n.nspname::text FROM pg_catalog.pg_class c"
-        " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE c.relname = {table} AND c.relkind = 'r'"
+        "(SELECT n.nspname::text FROM pg_catalog.pg_namespace n"
+        " JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid"
+        " JOIN pg_catalog.pg_roles o ON o.oid = c.relowner"
+        " JOIN pg_catalog.pg_roles u ON u.rolname = CURRENT_USER"
+        " WHERE n.nspname = {schema} AND c.relname = {table} AND c.relkind = 'r'"
+        " AND c.relowner = n.nspowner"
+        " AND NOT (c.relhastriggers OR c.relhasrules OR c.relrowsecurity)"
+        " AND (o.oid = u.oid OR o.rolsuper"
+        "  OR o.oid = (SELECT d.datdba FROM pg_catalog.pg_database d"
+        "   WHERE d.datname = pg_catalog.current_database())"
+        "  OR (NOT u.rolsuper AND pg_catalog.pg_has_role(o.oid, 'USAGE')))"
         " AND pg_catalog.starts_with((SELECT d.description FROM pg_catalog.pg_description d"
         "  WHERE d.objoid = c.oid AND d.classoid = 'pg_catalog.pg_class'::pg_catalog.regclass"
         "  AND d.objsubid = 0), {marker})"
         " AND pg_catalog.has_schema_privilege(n.oid, 'USAGE')"
-        " AND pg_catalog.has_table_privilege(c.oid, {privilege})"
-        " ORDER BY n.nspname <> {default}, n.nspname LIMIT 1)"
+        " AND pg_catalog.has_table_privilege(c.oid, {privilege}))"
     ).format(
+        schema=sql.Literal(schema),
         table=sql.Literal(NAMES_TABLE),
         marker=sql.Literal(NAMES_MARKER),
         privilege=sql.Literal(privilege),
-        default=sql.Literal(DEFAULT_SCHEMA),
     )
 
 
@@ -105,11 +120,17 @@ def xact_one(key: int, *, shared: bool, try_: bool) -> bytes:
     return (_XACT_ONE[(shared, try_)] % int(key)).encode()
 
 
+# The probe, once per connection. The lock APIs take no schema: they register names in the
+# default schema's registry only.
 PROBE = sql.SQL(
     "SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.pg_backend_pid(), {registry}"
-).format(registry=_names_schema("INSERT"))
+).format(registry=_names_schema(DEFAULT_SCHEMA, "INSERT"))
 
-NAMES_READABLE = sql.SQL("SELECT {}").format(_names_schema("SELECT"))
+
+def names_readable(schema: str) -> sql.Composed:
+    """One row: ``schema`` when its name registry may be read (see ``_names_schema``), else
+    NULL."""
+    return sql.SQL("SELECT {}").format(_names_schema(schema, "SELECT"))
 
 # Never fails and never waits more than 1 ms: a concurrent uncommitted registration of the same
 # key makes ON CONFLICT wait for that transaction, so lock_timeout is lowered for the INSERT

@@ -140,7 +140,9 @@ def register_status(subparsers: argparse._SubParsersAction[_Parser]) -> None:
         "--dsn", default=None, help="libpq connection string or URL (default: $PGLOCK_DSN)"
     )
     p.add_argument(
-        "--schema", default=None, help="schema of the leases and semaphores (default: pglock)"
+        "--schema",
+        default=None,
+        help="schema of the name registry, leases and semaphores (default: pglock)",
     )
     p.add_argument("--json", action="store_true", help="print JSON (one object per refresh)")
     p.add_argument(
@@ -226,7 +228,7 @@ def status_snapshot(conn: Any, names: list[str] | None, schema: str) -> dict[str
     from .errors import SchemaNotInstalled
 
     info = _conn.fetch(conn, _sql.STATUS_HEADER)[0][0]
-    locks = _inspect.advisory_locks(conn, names)
+    locks = _inspect.advisory_locks(conn, names, schema=schema)
     doc: dict[str, Any] = {
         "database": info[0],
         "server_time": info[1],

@@ -407,9 +407,14 @@ def test_sqlalchemy_session(reg_dsn: str, app_name: str) -> None:
         engine.dispose()
 
 
-def test_registry_in_a_custom_schema_and_lookalikes_ignored(
+def test_registry_only_in_the_configured_schema_and_lookalikes_ignored(
     open_: Connect, pg_dsn: str
 ) -> None:
+    """The registry is ``<schema>.lock_names`` of the configured schema, never a table found
+    by name elsewhere (issue 11 item 3). This test used to pin the opposite: a schema installed
+    as ``locks`` was found by name and written by ``pg_lock``. The lock APIs take no schema, so
+    they register in the default schema (``pglock``) only; ``advisory_locks(schema=...)`` reads
+    the registry of the schema it is given."""
     from pglock import _schema
 
     with throwaway_database(pg_dsn, prefix="pglock_custom", install=False) as dsn:
@@ -423,9 +428,27 @@ def test_registry_in_a_custom_schema_and_lookalikes_ignored(
         name = uniq()
         with pglock.pg_lock(c, name):
             (lk,) = pglock.advisory_locks(observer, name)
+            assert lk.name is None  # the default schema is not installed
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            assert admin.execute("SELECT count(*) FROM aaa.lock_names").fetchone() == (0,)
+            assert admin.execute("SELECT count(*) FROM locks.lock_names").fetchone() == (0,)
+            admin.execute(
+                "INSERT INTO locks.lock_names (key, name) VALUES (%s, %s)", (pglock.key(name), name)
+            )
+        with pglock.pg_lock(c, name):
+            (lk,) = pglock.advisory_locks(observer, name, schema="locks")
             assert lk.name == name
+            (lk,) = pglock.advisory_locks(observer, name)
+            assert lk.name is None
+        _schema.install(dsn)  # the default schema: connections probed from now on register
+        fresh, other = open_(dsn), uniq()
+        with pglock.pg_lock(fresh, other):
+            (lk,) = pglock.advisory_locks(observer, other)
+            assert lk.name == other
         with psycopg.connect(dsn, autocommit=True) as admin:
             assert admin.execute("SELECT count(*) FROM aaa.lock_names").fetchone() == (0,)
             assert admin.execute("SELECT name FROM locks.lock_names").fetchall() == [(name,)]
+            assert admin.execute("SELECT name FROM pglock.lock_names").fetchall() == [(other,)]
             c.close()
+            fresh.close()
             observer.close()
