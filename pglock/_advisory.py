@@ -59,6 +59,45 @@ def _ms(seconds: float) -> int:
     return max(1, math.ceil(seconds * 1000))
 
 
+#: An attempt cut short by the session's own statement_timeout or lock_timeout: send it again.
+_AGAIN = object()
+
+
+def _wait_limit(timeout: float | None, state: ConnState) -> int | None:
+    """The ``lock_timeout`` (ms) pglock sets for one attempt, scoped to it, or None to send
+    the lock statement alone.
+
+    A timeout sets its own. A wait meant to last until acquired (``None``) on a session with
+    a ``statement_timeout`` or ``lock_timeout`` of its own (``ALTER ROLE app SET
+    statement_timeout`` is common) sets both to 0, or the session's setting would end it. A
+    try (``0``) never waits."""
+    if timeout:
+        return _ms(timeout)
+    if timeout is None and state.session_timeouts:
+        return 0
+    return None
+
+
+def _cut_short(conn: psycopg.Connection[Any], state: ConnState, timeout: float | None) -> bool:
+    """After a wait without a timeout ended in 55P03/57014 with the session's settings left
+    alone: was it the session's own timeout? Then remember it (later waits override it) and
+    say so; else it was a cancel (``pg_cancel_backend``, ``conn.cancel()``), which stands."""
+    if timeout is not None or state.session_timeouts or conn.closed or conn.broken:
+        return False
+    try:
+        rows = _in_own_transaction(
+            conn, _conn.stable_status(conn), lambda: _conn.run(conn, _sql.SESSION_TIMEOUTS)
+        )
+    except (psycopg.Error, LockError):
+        logger.debug("could not read the session's timeouts", exc_info=True)
+        return False
+    if not (rows and rows[0][0]):
+        return False
+    state.session_timeouts = True
+    logger.debug("the session's own statement_timeout/lock_timeout cut a wait short: retrying")
+    return True
+
+
 class PgLock:
     """A session-level advisory lock on one or several names, on a caller's connection.
 
@@ -474,21 +513,22 @@ def _session_lock(
     if state.pooler:
         raise _conn.pooler_error(state)
     try_ = timeout == 0
+    limit = _wait_limit(timeout, state)
     undo: sql.Composed | None = None
     stmt: sql.Composed | None = None
     if status == INTRANS:
         # In the caller's transaction: a savepoint keeps it usable if the attempt fails, and
         # rolling back to it undoes SET LOCAL; session locks survive the rollback.
         parts: list[sql.Composable] = [_sql.savepoint()]
-        if timeout:
-            parts.append(_sql.set_local_timeouts(_ms(timeout), several=len(keys) > 1))
+        if limit is not None:
+            parts.append(_sql.set_local_timeouts(limit, several=len(keys) > 1))
         parts += [_sql.lock(keys, shared=shared, xact=False, try_=try_)]
         parts += [_sql.rollback_to_savepoint()]
         stmt = sql.SQL("; ").join(parts)
         undo = _sql.rollback_to_savepoint()
-    elif timeout:
+    elif limit is not None:
         parts = [
-            _sql.set_local_timeouts(_ms(timeout), several=len(keys) > 1),
+            _sql.set_local_timeouts(limit, several=len(keys) > 1),
             _sql.lock(keys, shared=shared, xact=False, try_=try_),
         ]
         if conn.autocommit:
@@ -520,6 +560,8 @@ def _session_lock(
     except BaseException as exc:
         _after_failed_session_lock(conn, status, undo, keys, shared)
         if isinstance(exc, LockNotAcquired):
+            if _cut_short(conn, state, timeout):
+                return _session_lock(conn, state, keys, ctx, shared=shared, timeout=timeout)
             return False
         raise
     if try_:
@@ -644,6 +686,20 @@ def _xact_acquire(
     shared: bool,
     timeout: float | None,
 ) -> bool:
+    got = _xact_attempt(target, keys, names, shared=shared, timeout=timeout)
+    if got is _AGAIN:  # cut short by the session's own timeouts: once more, overriding them
+        got = _xact_attempt(target, keys, names, shared=shared, timeout=timeout)
+    return got is True
+
+
+def _xact_attempt(
+    target: Target,
+    keys: list[int],
+    names: list[str],
+    *,
+    shared: bool,
+    timeout: float | None,
+) -> bool | object:
     conn = target.conn
     status = _conn.check_usable(conn)
     if status == IDLE and conn.autocommit:
@@ -675,14 +731,15 @@ def _xact_acquire(
     try_ = timeout == 0
     ctx = Context(names, keys, timeout)
     registering = _registry.pending(conn, state, keys, names)
-    if not timeout and len(keys) == 1 and not registering:
+    limit = _wait_limit(timeout, state)
+    if limit is None and len(keys) == 1 and not registering:
         # The common case, in one pre-rendered round trip (see _sql.xact_one).
         try:
             rows = _conn.run(conn, _sql.xact_one(keys[0], shared=shared, try_=try_), ctx)
         except BaseException as exc:
             _undo_xact_attempt(conn)
             if isinstance(exc, LockNotAcquired):
-                return False
+                return _AGAIN if _cut_short(conn, state, timeout) else False
             raise
         started, got = rows[0]
         if try_ and not got:
@@ -692,15 +749,15 @@ def _xact_acquire(
         return True
 
     parts: list[sql.Composable] = [_sql.savepoint()]
-    if timeout:
+    if limit is not None:
         parts += [
             _sql.current_timeouts(),
-            _sql.set_local_timeouts(_ms(timeout), several=len(keys) > 1),
+            _sql.set_local_timeouts(limit, several=len(keys) > 1),
         ]
     parts += [_sql.TRANSACTION_START, _sql.lock(keys, shared=shared, xact=True, try_=try_)]
     # One round trip in the common cases: the savepoint can be released in the same batch
     # unless a partial multi-key try must be rolled back or SET LOCAL must be undone.
-    released = not timeout and not (try_ and len(keys) > 1)
+    released = limit is None and not (try_ and len(keys) > 1)
     if released:
         parts.append(_sql.release_savepoint())
         if registering:
@@ -710,7 +767,7 @@ def _xact_acquire(
     except BaseException as exc:
         _undo_xact_attempt(conn)
         if isinstance(exc, LockNotAcquired):
-            return False
+            return _AGAIN if _cut_short(conn, state, timeout) else False
         raise
     if try_ and not all(ok for _, ok in results[-1]):
         if not released:
@@ -721,7 +778,7 @@ def _xact_acquire(
         # statement_timeout (several keys) cancel the restore, rolling back to the savepoint
         # leaves the caller's transaction as it was. Released first, it would abort it.
         tail: list[sql.Composable] = []
-        if timeout:
+        if limit is not None:
             lock_timeout, statement_timeout = results[0][0]
             tail.append(_sql.restore_timeouts(lock_timeout, statement_timeout))
         tail.append(_sql.release_savepoint())
@@ -732,7 +789,7 @@ def _xact_acquire(
         except BaseException as exc:
             _undo_xact_attempt(conn)
             if isinstance(exc, LockNotAcquired):
-                return False
+                return _AGAIN if _cut_short(conn, state, timeout) else False
             raise
     _registry.mark(conn, registering)
     _record_xact(state, keys, me, results[-2][0][0])

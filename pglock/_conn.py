@@ -396,6 +396,9 @@ class ConnState:
         #: A pooler (PgBouncer and the like) sits between this connection and Postgres: the
         #: server's pg_backend_pid() differs from the pid the connection announced at startup.
         self.pooler = False
+        #: The session has a statement_timeout or lock_timeout of its own (learned by the
+        #: probe, or when one cut a wait short): waits without a timeout override them.
+        self.session_timeouts = False
         #: Set when this bookkeeping was dropped while handles still held locks (for example
         #: the pool reset the connection): those handles raise LockLost with this reason.
         self.lost: str | None = None
@@ -435,7 +438,7 @@ def probe(conn: psycopg.Connection[Any], state: ConnState, ctx: Context | None =
     Run inside the caller's statement sequence (the caller handles the transaction).
     """
     rows = run(conn, _sql.PROBE, ctx)
-    in_recovery, pid, registry = rows[0]
+    in_recovery, pid, registry, timeouts = rows[0]
     if in_recovery:
         raise UnsupportedServer(
             "this server is a hot standby (pg_is_in_recovery() is true): advisory locks on a "
@@ -444,6 +447,7 @@ def probe(conn: psycopg.Connection[Any], state: ConnState, ctx: Context | None =
         )
     state.backend_pid = pid
     state.registry = registry
+    state.session_timeouts = bool(timeouts)
     # PgBouncer (any mode) and other multiplexing poolers answer the startup with a cancel key
     # of their own, so the pid the client was told differs from the server's. Comparing them
     # costs nothing per lock: it is checked once, here.

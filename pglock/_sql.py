@@ -120,11 +120,23 @@ def xact_one(key: int, *, shared: bool, try_: bool) -> bytes:
     return (_XACT_ONE[(shared, try_)] % int(key)).encode()
 
 
+#: Does the session bound statements or lock waits of its own (``statement_timeout`` or
+#: ``lock_timeout`` not 0, from ``ALTER ROLE ... SET``, the DSN's options or a ``SET``)? Then a
+#: wait meant to last until acquired overrides them for pglock's statement (see _advisory).
+SESSION_TIMEOUTS = (
+    "SELECT pg_catalog.current_setting('lock_timeout') <> '0'"
+    " OR pg_catalog.current_setting('statement_timeout') <> '0'"
+)
+
 # The probe, once per connection. The lock APIs take no schema: they register names in the
 # default schema's registry only.
 PROBE = sql.SQL(
-    "SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.pg_backend_pid(), {registry}"
-).format(registry=_names_schema(DEFAULT_SCHEMA, "INSERT"))
+    "SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.pg_backend_pid(), {registry},"
+    " ({timeouts})"
+).format(
+    registry=_names_schema(DEFAULT_SCHEMA, "INSERT"),
+    timeouts=sql.SQL(SESSION_TIMEOUTS[len("SELECT ") :]),
+)
 
 
 def names_readable(schema: str) -> sql.Composed:
