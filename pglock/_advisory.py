@@ -127,7 +127,7 @@ class PgLock:
         self._names = [n for _, n in pairs]
         self._shared = validate_flag(shared, "shared")
         self._timeout = validate_timeout(timeout)
-        self._target: Target = _conn.resolve(conn)
+        self._target: Target = _conn.resolve(conn, "pg_lock")
         self._mutex = threading.Lock()
         self._owner: threading.Thread | None = None
         # The bookkeeping the lock was taken under: a pool reset drops it and marks it lost.
@@ -309,7 +309,7 @@ def xact_lock(
     pairs = normalize_names(names)
     validate_flag(shared, "shared")
     t = validate_timeout(timeout)
-    target = _conn.resolve(conn)
+    target = _conn.resolve(conn, "xact_lock")
     keys = [k for k, _ in pairs]
     names_ = [n for _, n in pairs]
     if not _xact_acquire(target, keys, names_, shared=shared, timeout=t):
@@ -327,7 +327,7 @@ def try_xact_lock(conn: object, names: str | Sequence[str], *, shared: bool = Fa
     """
     pairs = normalize_names(names)
     validate_flag(shared, "shared")
-    target = _conn.resolve(conn)
+    target = _conn.resolve(conn, "try_xact_lock")
     return _xact_acquire(
         target, [k for k, _ in pairs], [n for _, n in pairs], shared=shared, timeout=0.0
     )

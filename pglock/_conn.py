@@ -28,6 +28,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 
 from . import _sql
+from ._classify import HELD, Kind, check_driver, classify
 from .errors import (
     DeadlockDetected,
     InvalidConnectionState,
@@ -43,10 +44,15 @@ INTRANS = TransactionStatus.INTRANS
 INERROR = TransactionStatus.INERROR
 ACTIVE = TransactionStatus.ACTIVE
 
-_ACCEPTED = (
-    "a psycopg (3) Connection, a SQLAlchemy Connection or an ORM Session using the "
-    "psycopg driver (postgresql+psycopg://)"
-)
+#: What to use instead, when a lock API that works on a held connection gets a source.
+_USE_A_CONNECTION = {
+    Kind.ENGINE: "a lock lives on one connection: pass engine.connect() or a Session, or use "
+    "pglock.pool_lock(engine, ...) to check one out for the lock",
+    Kind.POOL: "a lock lives on one connection: pass pool.connection(), or use "
+    "pglock.pool_lock(pool, ...) to check one out for the lock",
+    Kind.DSN: "a lock lives on one connection: pass psycopg.connect(dsn), or use "
+    "pglock.Locker(dsn), which keeps a pool",
+}
 
 
 @dataclass
@@ -59,71 +65,42 @@ class Target:
     kind: str
 
 
-def resolve(obj: object) -> Target:
-    """Find the psycopg connection behind ``obj`` without sending any SQL.
+def resolve(obj: object, api: str = "pglock") -> Target:
+    """Find the psycopg connection behind ``obj`` (a connection the caller holds) without
+    sending any SQL.
 
-    :raises TypeError: ``obj`` is not a supported connection type.
+    :param api: the public call, for the error message.
+    :raises TypeError: ``obj`` is not a connection pglock can use.
     :raises InvalidConnectionState: the connection is closed.
     """
-    if isinstance(obj, psycopg.Connection):
+    kind = classify(obj, HELD, api=api, hints=_USE_A_CONNECTION)
+    if kind is Kind.CONNECTION:
+        assert isinstance(obj, psycopg.Connection)
         return Target(_check_open(obj), obj, "psycopg")
-    if isinstance(obj, psycopg.AsyncConnection):
+    if kind is Kind.SESSION:
+        return _resolve_session(obj)
+    sa_conn: Any = obj
+    check_driver(sa_conn.dialect)
+    if sa_conn.closed or sa_conn.invalidated:
+        raise InvalidConnectionState("the SQLAlchemy Connection is closed or invalidated")
+    return Target(_check_open(_driver_connection(sa_conn)), obj, "sqlalchemy")
+
+
+def _resolve_session(session: Any) -> Target:
+    from sqlalchemy.exc import UnboundExecutionError
+
+    try:
+        bind = session.get_bind()
+    except UnboundExecutionError:
         raise TypeError(
-            "pglock is synchronous: pass a psycopg.Connection, not a psycopg.AsyncConnection"
-        )
-    if _from_module(obj, "sqlalchemy."):  # also user subclasses, e.g. of Session
-        return _resolve_sqlalchemy(obj)
-    raise TypeError(f"expected {_ACCEPTED}; got {type(obj).__module__}.{type(obj).__qualname__}")
+            "the Session has no single bind (unbound, or bound to several engines); "
+            "pass session.connection(bind_arguments=...) instead"
+        ) from None
+    check_driver(bind.dialect)
+    return Target(_check_open(_driver_connection(session.connection())), session, "session")
 
 
-def _from_module(obj: object, prefix: str) -> bool:
-    """Is ``obj`` an instance of a class defined under ``prefix`` (or of a subclass of one)?"""
-    return any(c.__module__.startswith(prefix) for c in type(obj).__mro__)
-
-
-def _resolve_sqlalchemy(obj: object) -> Target:
-    from sqlalchemy.engine import Connection, Engine
-    from sqlalchemy.orm import Session
-
-    # Not "import sqlalchemy.ext.asyncio": it raises ImportError without greenlet (optional
-    # since SQLAlchemy 2.1), and an async object exists only once that module is loaded.
-    if _from_module(obj, "sqlalchemy.ext.asyncio."):
-        raise TypeError(
-            "pglock is synchronous: pass a sync SQLAlchemy Connection or Session, "
-            f"not {type(obj).__name__}"
-        )
-    if isinstance(obj, Engine):
-        raise TypeError(
-            "pass a SQLAlchemy Connection or Session, not an Engine: a lock lives on one "
-            "connection (use pglock.pool_lock(engine, ...) to check one out for the lock)"
-        )
-    if isinstance(obj, Session):
-        from sqlalchemy.exc import UnboundExecutionError
-
-        try:
-            bind = obj.get_bind()
-        except UnboundExecutionError:
-            raise TypeError(
-                "the Session has no single bind (unbound, or bound to several engines); "
-                "pass session.connection(bind_arguments=...) instead"
-            ) from None
-        _check_dialect(bind.dialect)
-        sa_conn = obj.connection()
-        return Target(_check_open(_driver_connection(sa_conn)), obj, "session")
-    if isinstance(obj, Connection):
-        _check_dialect(obj.dialect)
-        if obj.closed or obj.invalidated:
-            raise InvalidConnectionState("the SQLAlchemy Connection is closed or invalidated")
-        return Target(_check_open(_driver_connection(obj)), obj, "sqlalchemy")
-    raise TypeError(f"expected {_ACCEPTED}; got {type(obj).__module__}.{type(obj).__qualname__}")
-
-
-def _check_dialect(dialect: Any) -> None:
-    if dialect.name != "postgresql" or dialect.driver != "psycopg":
-        raise TypeError(
-            "pglock needs SQLAlchemy's psycopg (3) driver on PostgreSQL (URLs like "
-            f"postgresql+psycopg://...); this engine uses {dialect.name}+{dialect.driver}"
-        )
+_check_dialect = check_driver  # until _pool and _source classify through pglock._classify
 
 
 def _driver_connection(sa_conn: Any) -> psycopg.Connection[Any]:

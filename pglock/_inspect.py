@@ -159,7 +159,7 @@ def advisory_locks(
     """
     keys = None if name is None else [k for k, _ in normalize_names(name)]
     validate_schema(schema)
-    target = _conn.resolve(conn)
+    target = _conn.resolve(conn, "advisory_locks")
     c = target.conn
     waitstart = c.info.server_version >= 140000
 
@@ -328,7 +328,7 @@ def semaphores(
     if name is not None:
         validate_name(name)
     schema = validate_schema(schema)
-    target = _conn.resolve(conn)
+    target = _conn.resolve(conn, "semaphores")
     c = target.conn
 
     def query() -> list[tuple[Any, ...]] | None:

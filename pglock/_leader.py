@@ -29,12 +29,13 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
 from psycopg import conninfo as pg_conninfo
 
 from . import _advisory, _conn, _sql
+from ._classify import Kind, check_driver, classify
 from ._keys import _key, key, validate_name, validate_timeout
 from .errors import LockError, LockLost, LockNotAcquired, UnsupportedServer
 
@@ -58,36 +59,27 @@ _MAX_INTERVAL = 3600.0
 # --- where the dedicated connection comes from ------------------------------------------------
 
 
-def describe_source(source: object) -> str:
-    return f"{type(source).__module__}.{type(source).__qualname__}"
+#: Where a leader's dedicated connection can take its parameters from (it never uses the
+#: object itself: a leader holds its lock on a connection of its own).
+_DEDICATED = frozenset({Kind.DSN, Kind.POOL, Kind.ENGINE, Kind.CONNECTION})
 
 
-def check_dedicated_source(source: object) -> None:
-    """Refuse, before any I/O, a source that :func:`dedicated_conninfo` cannot use."""
-    if isinstance(source, str):
+def check_dedicated_source(source: object) -> Kind:
+    """Refuse, before any I/O, a source that :func:`dedicated_conninfo` cannot use.
+
+    :raises TypeError: not a DSN, pool, engine (psycopg driver) or psycopg connection.
+    :raises ValueError: an unparsable DSN.
+    """
+    kind = classify(source, _DEDICATED, api="leader election (to copy connection parameters)")
+    if kind is Kind.DSN:
+        assert isinstance(source, str)
         try:
             pg_conninfo.conninfo_to_dict(source)
         except psycopg.ProgrammingError as exc:
             raise ValueError(f"invalid connection string: {exc}") from None
-        return
-    if isinstance(source, psycopg.Connection):
-        return
-    mod = type(source).__module__
-    if mod.startswith("psycopg_pool") and hasattr(source, "conninfo"):
-        if type(source).__name__.startswith("Async"):
-            raise TypeError("pglock is synchronous: pass a psycopg_pool.ConnectionPool")
-        return
-    if mod.startswith("sqlalchemy"):
-        from sqlalchemy.engine import Engine
-
-        if isinstance(source, Engine):
-            _conn._check_dialect(source.dialect)
-            return
-    raise TypeError(
-        "expected a connection string (DSN), a psycopg_pool.ConnectionPool, a SQLAlchemy "
-        "Engine (postgresql+psycopg://) or a psycopg Connection to copy connection "
-        f"parameters from; got {describe_source(source)}"
-    )
+    elif kind is Kind.ENGINE:
+        check_driver(cast(Any, source).dialect)
+    return kind
 
 
 def dedicated_conninfo(source: object, **extra: Any) -> str:
@@ -101,12 +93,12 @@ def dedicated_conninfo(source: object, **extra: Any) -> str:
 
     ``extra`` parameters override those of the source.
     """
-    check_dedicated_source(source)
-    if isinstance(source, str):
-        return pg_conninfo.make_conninfo(source, **extra)
-    if isinstance(source, psycopg.Connection):
-        return _from_connection(source, extra)
-    if type(source).__module__.startswith("psycopg_pool"):
+    kind = check_dedicated_source(source)
+    if kind is Kind.DSN:
+        return pg_conninfo.make_conninfo(cast(str, source), **extra)
+    if kind is Kind.CONNECTION:
+        return _from_connection(cast(psycopg.Connection[Any], source), extra)
+    if kind is Kind.POOL:
         pool: Any = source
         kwargs = {k: v for k, v in (pool.kwargs or {}).items() if k not in _CONNECT_ONLY}
         kwargs.update(extra)
@@ -349,7 +341,7 @@ class LeaderElection:
                 election.guard(conn)
                 conn.execute("UPDATE jobs SET ...")
         """
-        target = _conn.resolve(conn)
+        target = _conn.resolve(conn, "LeaderElection.guard")
         with self._cond:
             leading = self._leader and time.monotonic() < self._valid_until
             session, term = self._session, self._term

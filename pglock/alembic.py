@@ -15,11 +15,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 
 from ._advisory import PgLock
+from ._classify import Kind, classify
 from ._keys import validate_name, validate_timeout
 from .errors import LockNotAcquired
 
@@ -82,7 +83,14 @@ _Opener = Callable[[], tuple[Any, Callable[[bool], None]]]
 
 def _opener(source: object) -> _Opener:
     """Decide, without I/O, how to open the dedicated connection."""
-    if isinstance(source, str):
+    kind = classify(
+        source,
+        {Kind.DSN, Kind.ENGINE, Kind.SA_CONNECTION, Kind.URL},
+        api="migration_lock",
+        hints={Kind.SESSION: "pass session.get_bind()"},
+    )
+    if kind is Kind.DSN:
+        assert isinstance(source, str)
         if not source.strip():
             raise ValueError("the database URL must not be empty")
         if "://" in source:
@@ -90,25 +98,15 @@ def _opener(source: object) -> _Opener:
 
             return _url_opener(make_url(source))
         return _psycopg_opener(source)  # a libpq key=value connection string
-    mod = type(source).__module__
-    if mod.startswith("sqlalchemy"):
-        from sqlalchemy.engine import URL, Connection, Engine
-
-        if isinstance(source, Connection):
-            source = source.engine
-        if isinstance(source, Engine):
-            dialect = source.dialect
-            if dialect.name != "postgresql":
-                raise TypeError(f"migration_lock needs PostgreSQL; this engine uses {dialect.name}")
-            if dialect.driver == "psycopg":
-                return _engine_opener(source)
-            return _url_opener(source.url)
-        if isinstance(source, URL):
-            return _url_opener(source)
-    raise TypeError(
-        "migration_lock expects a SQLAlchemy Engine, Connection or URL, or a database URL "
-        f"string; got {type(source).__module__}.{type(source).__qualname__}"
-    )
+    if kind is Kind.URL:
+        return _url_opener(cast(Any, source))
+    engine: Any = cast(Any, source).engine if kind is Kind.SA_CONNECTION else source
+    dialect = engine.dialect
+    if dialect.name != "postgresql":
+        raise TypeError(f"migration_lock needs PostgreSQL; this engine uses {dialect.name}")
+    if dialect.driver == "psycopg":
+        return _engine_opener(engine)
+    return _url_opener(engine.url)
 
 
 def _url_opener(url: Any) -> _Opener:

@@ -81,9 +81,9 @@ def release_on_checkin(engine_or_pool: Engine | Pool) -> None:
         pglock.sqlalchemy.release_on_checkin(engine)
     """
     if isinstance(engine_or_pool, Engine):
-        from ._conn import _check_dialect
+        from ._classify import check_driver
 
-        _check_dialect(engine_or_pool.dialect)
+        check_driver(engine_or_pool.dialect)
         target: Pool = engine_or_pool.pool
     elif isinstance(engine_or_pool, Pool):
         target = engine_or_pool

@@ -1,0 +1,133 @@
+"""What a caller may pass: the one place that tells a connection, a pool, an engine and a DSN
+apart.
+
+:func:`kind_of` names what an object is (subclasses included: a user's own ``Session`` or
+``ConnectionPool`` subclass is what its base is), without importing optional packages the caller
+has not loaded and without any I/O; :func:`classify` also says whether an API accepts it, with
+one form of error for every API. What each API then does with it (check a connection out, read
+its conninfo, find the psycopg connection under a SQLAlchemy one) stays with that API.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection, Mapping
+from typing import Any
+
+import psycopg
+
+
+class Kind(enum.Enum):
+    """What a caller passed; the value is how an error names it."""
+
+    CONNECTION = "a psycopg Connection"
+    SA_CONNECTION = "a SQLAlchemy Connection"
+    SESSION = "a SQLAlchemy ORM Session"
+    POOL = "a psycopg_pool.ConnectionPool"
+    ENGINE = "a SQLAlchemy Engine"
+    DSN = "a connection string (DSN)"
+    URL = "a SQLAlchemy URL"
+
+
+#: A connection the caller holds: locks taken on it live in its session.
+HELD = frozenset({Kind.CONNECTION, Kind.SA_CONNECTION, Kind.SESSION})
+#: Somewhere pglock takes connections from (or opens them, for a DSN).
+SOURCES = frozenset({Kind.POOL, Kind.ENGINE, Kind.DSN})
+#: The SQLAlchemy kinds: they need its psycopg (3) driver wherever pglock uses the connection.
+SQLALCHEMY = frozenset({Kind.SA_CONNECTION, Kind.SESSION, Kind.ENGINE})
+
+_ORDER = list(Kind)
+
+
+def describe(obj: object) -> str:
+    """``module.QualName`` of ``obj``'s type, for error messages."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _from_module(obj: object, prefix: str) -> bool:
+    """Is ``obj`` an instance of a class defined under ``prefix`` (or of a subclass of one)?"""
+    return any(c.__module__.startswith(prefix) for c in type(obj).__mro__)
+
+
+def _synchronous_only(what: str) -> TypeError:
+    return TypeError(f"pglock is synchronous: pass a synchronous {what}, not an asyncio one")
+
+
+def kind_of(obj: object) -> Kind | None:
+    """What ``obj`` is, or None for anything pglock never takes.
+
+    :raises TypeError: an asyncio connection, pool or engine (pglock is synchronous).
+    """
+    if isinstance(obj, str):
+        return Kind.DSN
+    if isinstance(obj, psycopg.Connection):
+        return Kind.CONNECTION
+    if isinstance(obj, psycopg.AsyncConnection):
+        raise _synchronous_only("psycopg.Connection")
+    if _from_module(obj, "psycopg_pool."):
+        from psycopg_pool import ConnectionPool
+
+        if isinstance(obj, ConnectionPool):
+            return Kind.POOL
+        raise _synchronous_only("psycopg_pool.ConnectionPool")
+    if _from_module(obj, "sqlalchemy."):
+        return _sqlalchemy_kind(obj)
+    return None
+
+
+def _sqlalchemy_kind(obj: object) -> Kind | None:
+    # Not "import sqlalchemy.ext.asyncio": it raises ImportError without greenlet (optional
+    # since SQLAlchemy 2.1), and an async object exists only once that module is loaded.
+    if _from_module(obj, "sqlalchemy.ext.asyncio."):
+        raise _synchronous_only("SQLAlchemy Engine, Connection or Session")
+    from sqlalchemy.engine import URL, Connection, Engine
+    from sqlalchemy.orm import Session
+
+    for cls, kind in (
+        (Engine, Kind.ENGINE),
+        (Connection, Kind.SA_CONNECTION),
+        (Session, Kind.SESSION),
+        (URL, Kind.URL),
+    ):
+        if isinstance(obj, cls):
+            return kind
+    return None
+
+
+def classify(
+    obj: object,
+    accepted: Collection[Kind],
+    *,
+    api: str,
+    hints: Mapping[Kind, str] | None = None,
+) -> Kind:
+    """What ``obj`` is, when ``api`` accepts it.
+
+    :param accepted: the kinds ``api`` takes.
+    :param hints: for kinds it does not take, what to use instead (appended to the error).
+    :raises TypeError: ``obj`` is not one of ``accepted`` (or is asynchronous), saying what
+        ``api`` takes and what it got.
+    """
+    kind = kind_of(obj)
+    if kind is not None and kind in accepted:
+        return kind
+    takes = [k.value for k in _ORDER if k in accepted]
+    wanted = ", ".join(takes[:-1]) + f" or {takes[-1]}" if len(takes) > 1 else takes[0]
+    if any(k in SQLALCHEMY for k in accepted):
+        wanted += " (SQLAlchemy on the psycopg driver: postgresql+psycopg://)"
+    got = kind.value if kind is not None else describe(obj)
+    message = f"{api} takes {wanted}; got {got}"
+    hint = (hints or {}).get(kind) if kind is not None else None
+    raise TypeError(f"{message}: {hint}" if hint else message)
+
+
+def check_driver(dialect: Any) -> None:
+    """Refuse a SQLAlchemy dialect other than PostgreSQL on psycopg (3).
+
+    :raises TypeError: another database or driver.
+    """
+    if dialect.name != "postgresql" or dialect.driver != "psycopg":
+        raise TypeError(
+            "pglock needs SQLAlchemy's psycopg (3) driver on PostgreSQL (URLs like "
+            f"postgresql+psycopg://...); this engine uses {dialect.name}+{dialect.driver}"
+        )
