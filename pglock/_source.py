@@ -23,6 +23,7 @@ deadline too (it finishes in the background; a late connection is kept or closed
 from __future__ import annotations
 
 import atexit
+import functools
 import getpass
 import heapq
 import itertools
@@ -476,17 +477,31 @@ def _alive_by(conn: psycopg.Connection[Any], deadline: float | None) -> bool:
     return within(conn, deadline, lambda: _alive(conn), "a liveness check")
 
 
-def _params_of(conninfo: object, kwargs: object) -> dict[str, Any] | None:
-    """libpq parameters of a conninfo string and connect keyword arguments (None: unknown)."""
+def _identity_of(conninfo: object, kwargs: object) -> tuple[Any, ...] | None:
+    """:func:`database_identity` of a conninfo string and connect keyword arguments (None:
+    unknown, e.g. a callable conninfo, which is left uncalled)."""
     if not isinstance(conninfo, str):
         return None
+    names = ("host", "hostaddr", "port", "user", "dbname")
+    extra: tuple[tuple[str, str], ...] = ()
+    if isinstance(kwargs, Mapping):
+        extra = tuple(
+            (k, str(kwargs[k])) for k in names if kwargs.get(k) not in (None, "")
+        )
+    return _identity_cached(conninfo, extra)
+
+
+@functools.lru_cache(maxsize=256)
+def _identity_cached(
+    conninfo: str, extra: tuple[tuple[str, str], ...]
+) -> tuple[Any, ...] | None:
+    # Parsing a conninfo costs tens of microseconds; a source is made per lease handle.
     try:
         params: dict[str, Any] = dict(conninfo_to_dict(conninfo))
     except psycopg.ProgrammingError:
         return None
-    if isinstance(kwargs, Mapping):
-        params.update({k: v for k, v in kwargs.items() if v is not None})
-    return params
+    params.update(extra)
+    return database_identity(params)
 
 
 class PoolSource(Source):
@@ -496,9 +511,9 @@ class PoolSource(Source):
         super().__init__(("pool", id(pool)))
         self.pool = pool
         # A callable conninfo or kwargs is left uncalled: the identity is the pool itself.
-        params = _params_of(pool.conninfo, pool.kwargs)
-        if params is not None:
-            self.database = database_identity(params)
+        identity = _identity_of(pool.conninfo, pool.kwargs)
+        if identity is not None:
+            self.database = identity
 
     def _checkout(
         self, timeout: float | None, fresh: bool, deadline: float | None
@@ -614,9 +629,9 @@ class DsnSource(Source):
         self.dsn = dsn
         extra = connect_extra(dsn)
         self.conninfo = make_conninfo(dsn, **extra) if extra else dsn
-        params = _params_of(dsn, None)
-        if params is not None:
-            self.database = database_identity(params)
+        identity = _identity_of(dsn, None)
+        if identity is not None:
+            self.database = identity
         self._idle: list[psycopg.Connection[Any]] = []
         self._lock = threading.Lock()
 
@@ -692,8 +707,9 @@ atexit.register(close_dsn_sources)
 
 def _after_fork_in_child() -> None:
     # Connections and locks do not survive a fork: the child opens its own.
-    global _dsn_lock, _stats_lock
+    global _dsn_lock, _stats_lock, _watchdog
     _dsn_lock = threading.Lock()
+    _watchdog = _Watchdog()  # its thread is the parent's
     _stats_lock = threading.Lock()
     _dsn_sources.clear()
 
