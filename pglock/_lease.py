@@ -851,6 +851,19 @@ _the_manager: _Manager | None = None
 #: releasing it in this process (see :meth:`Lease._claim`).
 _claims: dict[tuple[Any, ...], weakref.ref[Lease]] = {}
 _claims_lock = threading.Lock()
+#: Prune the claims of collected handles (a lost lease dropped without a release) when there
+#: are more than this many; it doubles with the live ones.
+_claims_prune_at = 1024
+
+
+def _prune_claims() -> None:
+    """With ``_claims_lock`` held: forget the claims of handles that were collected."""
+    global _claims_prune_at
+    if len(_claims) <= _claims_prune_at:
+        return
+    for key in [k for k, ref in _claims.items() if ref() is None]:
+        del _claims[key]
+    _claims_prune_at = max(1024, 2 * len(_claims))
 
 
 def _listen_by(deadline: float | None) -> float | None:
@@ -1133,6 +1146,7 @@ class Lease:
                     other._superseded = True
                 superseded = other if live else None
             _claims[self._claim_key] = weakref.ref(self)
+            _prune_claims()
             with self._lock:
                 self._superseded = False
         if superseded is not None:
