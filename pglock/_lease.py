@@ -16,7 +16,7 @@ the caller's transaction. This module is the client around it:
   a grant is given back (and the waiter goes on waiting, or gets False), a renewal does not
   bring a lost lease back.
 * **Statement deadlines.** Every lease statement has a client-side deadline
-  (:meth:`Source.run_once_more`): an acquire its timeout plus :data:`ANSWER_GRACE`, a renewal
+  (:meth:`Source.run_once_more`): an acquire its timeout plus ``ANSWER_GRACE``, a renewal
   the lease's client deadline, a release or a query a bound from the TTL. A statement that
   gets no answer by then (a silent network) is cut off and its connection closed; the outcome
   is unknown, so an acquire returns False (a grant it may have made expires at its TTL).
@@ -72,7 +72,17 @@ from . import _conn, _sql
 from ._keys import remaining as _remaining
 from ._keys import validate_flag, validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
-from ._source import NoAnswer, Source, close_dsn_sources, open_listening
+from ._source import (
+    ANSWER_GRACE,
+    SHORT_DEADLINE,
+    WAIT_CHUNK,
+    NoAnswer,
+    Source,
+    close_dsn_sources,
+    listen_deadline,
+    open_listening,
+    short_deadline,
+)
 from ._source import count as _count
 from ._source import make_source as _make_source
 from ._source import statements as _statements
@@ -108,9 +118,6 @@ _EXPIRY_MARGIN = 0.002
 _LISTENER_IDLE = 30.0
 #: How often a listener looks up from its connection (idle check, stop requests).
 _LISTENER_TICK = 0.5
-#: The longest a listener takes to connect and LISTEN (seconds), or less if its first waiter
-#: has less time left.
-_LISTEN_DEADLINE = 10.0
 #: How many times a lease statement that failed with a serialization failure or a deadlock
 #: (possible under a REPEATABLE READ or SERIALIZABLE default isolation) is sent again (in an
 #: explicit READ COMMITTED transaction).
@@ -119,15 +126,6 @@ _RETRIES = 5
 _KEEPALIVE_TICK = 5.0
 #: A renewal worker (one per source and schema) with nothing to do for this long exits.
 _WORKER_IDLE = 30.0
-#: Seconds an acquire statement is given beyond its wait for its answer to arrive: past
-#: ``timeout + ANSWER_GRACE`` it is cut off (a silent network) and the acquire gives up.
-ANSWER_GRACE = 1.0
-#: The longest wait one acquire statement asks the server for (``timeout=None`` waits in
-#: chunks of it, so that no statement is without a client-side deadline).
-_WAIT_CHUNK = 30.0
-#: Deadline of a statement that waits for nothing (release, lease_info, a given-back grant):
-#: the TTL, within these bounds (seconds). Past its TTL a lease ends by itself anyway.
-_SHORT_DEADLINE = (1.0, 30.0)
 
 _DEFAULT: Any = object()
 _NEW, _HELD, _RELEASED = "new", "held", "released"
@@ -276,13 +274,6 @@ def _run_once_more(
     return source.run_once_more(
         lambda conn: _execute(conn, kind, schema, params), "lease", kind, timeout, deadline
     )
-
-
-def _short_deadline(ttl: float) -> float:
-    """The deadline of a statement that waits for nothing, sent now (see
-    :data:`_SHORT_DEADLINE`)."""
-    low, high = _SHORT_DEADLINE
-    return time.monotonic() + min(high, max(low, ttl))
 
 
 def _execute(
@@ -486,7 +477,7 @@ class _Listener:
             while not self.stopped:
                 if self.conn is None:
                     try:
-                        self._connect(time.monotonic() + _LISTEN_DEADLINE)
+                        self._connect(listen_deadline(None))
                         backoff = 0.1
                         # Releases may have gone unheard while the connection was down.
                         self.mgr.wake_all(self.key)
@@ -791,12 +782,12 @@ class _Manager:
     # -- listeners ----------------------------------------------------------------------------
 
     def listener(
-        self, source: Source, schema: str, deadline: float | None = None
+        self, source: Source, schema: str, deadline: float
     ) -> tuple[_Listener | None, bool]:
         """The (source, schema) listener, started if needed: (listener, created now).
 
-        :param deadline: when a new listener must be listening (at most
-            :data:`_LISTEN_DEADLINE` from now); past it, waiters poll instead.
+        :param deadline: when a new listener must be listening (:func:`listen_deadline`);
+            past it, waiters poll instead.
         """
         key = (source.key, schema)
         with self.lock:
@@ -808,9 +799,8 @@ class _Manager:
                 lst = self.listeners.get(key)
                 if lst is not None:
                     return lst, False
-            limit = time.monotonic() + _LISTEN_DEADLINE
             try:
-                lst = _Listener(self, source, schema, min(limit, deadline or limit))
+                lst = _Listener(self, source, schema, deadline)
             except Exception as exc:
                 logger.info("could not LISTEN for lease releases (%r); waiters poll instead", exc)
                 return None, False
@@ -864,11 +854,6 @@ def _prune_claims() -> None:
     for key in [k for k, ref in _claims.items() if ref() is None]:
         del _claims[key]
     _claims_prune_at = max(1024, 2 * len(_claims))
-
-
-def _listen_by(deadline: float | None) -> float | None:
-    """When a waiter's new NOTIFY listener must be listening: within its wait and grace."""
-    return None if deadline is None else deadline + ANSWER_GRACE
 
 
 def _mgr() -> _Manager:
@@ -1079,7 +1064,7 @@ class Lease:
         True means granted *and* still within the grant's client deadline (send time of the
         acquire + ttl) when the answer arrived: a grant that arrives later is given back and
         the wait goes on, or False is returned. An acquire that gets no answer by ``timeout +``
-        :data:`ANSWER_GRACE` (a silent network) returns False; a grant it may have made
+        ``ANSWER_GRACE`` (1 s; a silent network) returns False; a grant it may have made
         expires at its TTL.
 
         :param blocking: False tries once (same as ``timeout=0``).
@@ -1164,9 +1149,9 @@ class Lease:
 
     def _attempt(self, wait: float | None) -> tuple[Any, ...] | None:
         """One acquire statement, asking the server to wait ``wait`` seconds at most (None:
-        :data:`_WAIT_CHUNK`). Returns its row plus the monotonic send and receive times, or
-        None when it got no answer by ``wait +`` :data:`ANSWER_GRACE` (it was cut off)."""
-        wait = _WAIT_CHUNK if wait is None else min(wait, _WAIT_CHUNK)
+        ``WAIT_CHUNK``). Returns its row plus the monotonic send and receive times, or None
+        when it got no answer by ``wait + ANSWER_GRACE`` (it was cut off)."""
+        wait = WAIT_CHUNK if wait is None else min(wait, WAIT_CHUNK)
         sent = time.monotonic()
         try:
             rows = _run(
@@ -1234,7 +1219,7 @@ class Lease:
                 "release",
                 self._schema,
                 (self._name, self._holder, token),
-                deadline=_short_deadline(self._ttl),
+                deadline=short_deadline(self._ttl),
             )
         except Exception as exc:
             logger.info(
@@ -1290,7 +1275,7 @@ class Lease:
         """A refused waiter's NOTIFY listener: (listener, created now)."""
         if listener is not None and listener.healthy:
             return listener, False
-        return mgr.listener(self._source, self._schema, _listen_by(deadline))
+        return mgr.listener(self._source, self._schema, listen_deadline(deadline))
 
     def _local_wake(self, local: Lease | None) -> float | None:
         """When to look again while a lease of this process holds the name (None: now)."""
@@ -1323,7 +1308,7 @@ class Lease:
                 "extend",
                 self._schema,
                 (self._name, self._holder, None, self._ttl, self._durable),
-                deadline=_short_deadline(self._ttl),
+                deadline=short_deadline(self._ttl),
             )
         except NoAnswer as exc:
             self._why_not = "the database gave no answer to the resume in time"
@@ -1378,7 +1363,7 @@ class Lease:
             try:
                 rows, again = _run_once_more(
                     self._source, "release", self._schema, (self._name, self._holder, token),
-                    deadline=_short_deadline(self._ttl),
+                    deadline=short_deadline(self._ttl),
                 )
             except BaseException:
                 mgr.unregister(self)
@@ -1537,7 +1522,7 @@ class Lease:
             # database (with its own pglock schema) would not see this lease at all.
             rows = _run(
                 self._source, "info", self._schema, (self._name,),
-                deadline=_short_deadline(self._ttl),
+                deadline=short_deadline(self._ttl),
             )
             if rows and rows[0][1] == self._holder and rows[0][2] == token:
                 raise InvalidConnectionState(
@@ -1695,7 +1680,7 @@ def _query(
 ) -> list[tuple[Any, ...]]:
     """Run a read-only lease query on a source (pool, engine, DSN) or a caller's connection."""
     if isinstance(target, str) or not _is_connection(target):
-        deadline = time.monotonic() + _SHORT_DEADLINE[1]
+        deadline = time.monotonic() + SHORT_DEADLINE[1]
         return _run(make_source(target), kind, schema, params, deadline=deadline)
     resolved = _conn.resolve(target)
     pg = resolved.conn

@@ -16,8 +16,8 @@ inserts the caller's permit row when it fits, in one READ COMMITTED transaction 
   after that deadline is not believed: a late grant is given back (the wait goes on, or the
   acquire fails), a late renewal does not bring a lost permit back. A holder that dies stops
   renewing, and its permits come back within ``ttl``.
-* **Statement deadlines**, as for leases: an acquire is cut off at its timeout plus
-  :data:`pglock._lease.ANSWER_GRACE` (a silent network; it then fails, and a permit it may
+* **Statement deadlines**, as for leases (one policy, in ``_source.py``): an acquire is cut
+  off at its timeout plus ``ANSWER_GRACE`` (a silent network; it then fails, and a permit it may
   have been granted expires at its TTL), a renewal at the earliest deadline of the permits it
   renews, a release or a query at a bound from the TTL.
 * **Waiting.** Within one :class:`Semaphore` object, waiters queue in arrival order and only
@@ -52,7 +52,16 @@ from . import _conn, _sql
 from ._keys import remaining as _remaining
 from ._keys import validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, validate_schema
-from ._source import DsnSource, NoAnswer, Source, open_listening
+from ._source import (
+    ANSWER_GRACE,
+    WAIT_CHUNK,
+    DsnSource,
+    NoAnswer,
+    Source,
+    listen_deadline,
+    open_listening,
+    short_deadline,
+)
 from ._source import make_source as _make_source
 from .errors import (
     InvalidConnectionState,
@@ -77,15 +86,6 @@ _DEGRADED_POLL = (0.05, 1.0)
 _EXPIRY_MARGIN = 0.005
 _LISTENER_IDLE = 30.0
 _DSN_MAX_IDLE = 4
-#: Seconds an acquire statement is given beyond the caller's timeout (as for leases).
-_ANSWER_GRACE = 1.0
-#: The deadline of one acquire statement of a wait without a timeout (seconds, plus grace).
-_WAIT_CHUNK = 30.0
-#: The deadline of a statement that waits for nothing (release, info): the TTL, within these
-#: bounds (seconds).
-_SHORT_DEADLINE = (1.0, 30.0)
-#: The longest a new LISTEN connection takes to connect and listen (seconds).
-_LISTEN_DEADLINE = 10.0
 
 _DEFAULT: Any = object()
 
@@ -140,12 +140,6 @@ def _run(
     """Send one semaphore statement batch and return the rows of its last row-returning
     statement (see :func:`_run_once_more`)."""
     return _run_once_more(source, kind, schema, stmt, deadline)[0]
-
-
-def _short_deadline(ttl: float) -> float:
-    """The deadline of a statement that waits for nothing, sent now."""
-    low, high = _SHORT_DEADLINE
-    return time.monotonic() + min(high, max(low, ttl))
 
 
 def _run_once_more(
@@ -264,7 +258,7 @@ class _Listener:
         while not self.closed:
             if self.conn is None:
                 try:
-                    self._connect(time.monotonic() + _LISTEN_DEADLINE)
+                    self._connect(listen_deadline(None))
                     backoff = 0.1
                     self._wake(None)  # releases may have gone unheard meanwhile
                 except Exception as exc:
@@ -300,19 +294,16 @@ _listeners: dict[tuple[Any, ...], _Listener] = {}
 _listeners_lock = threading.Lock()
 
 
-def _listener(
-    source: Source, schema: str, sem: Semaphore, deadline: float | None = None
-) -> _Listener | None:
+def _listener(source: Source, schema: str, sem: Semaphore, deadline: float) -> _Listener | None:
     """The (source, schema) listener, started if needed, with ``sem`` subscribed to it (under
     the same lock as :func:`_retire`, so it cannot be retired in between). A new one must be
-    listening by ``deadline`` (and within :data:`_LISTEN_DEADLINE`), or waiters poll."""
+    listening by ``deadline`` (:func:`listen_deadline`), or waiters poll."""
     key = (source.key, schema)
     with _listeners_lock:
         lst = _listeners.get(key)
         if lst is None or lst.closed:
-            limit = time.monotonic() + _LISTEN_DEADLINE
             try:
-                lst = _Listener(source, schema, min(limit, deadline or limit))
+                lst = _Listener(source, schema, deadline)
             except Exception as exc:
                 logger.info(
                     "could not LISTEN for semaphore releases (%r); waiters poll instead", exc
@@ -534,7 +525,7 @@ class Semaphore:
         """
         rows = _run(
             self._src(), "info", self._schema, _sql.semaphore_info(self._schema, self._name),
-            _short_deadline(self._ttl),
+            short_deadline(self._ttl),
         )
         return int(rows[0][2]) if rows else 0
 
@@ -686,8 +677,7 @@ class Semaphore:
             current = self._listening
         if current is not None and not current.closed:
             return current, False
-        by = None if deadline is None else deadline + _ANSWER_GRACE
-        lst = _listener(source, self._schema, self, by)
+        lst = _listener(source, self._schema, self, listen_deadline(deadline))
         with self._cond:
             self._listening = lst
         return lst, lst is not None
@@ -702,7 +692,7 @@ class Semaphore:
         self, source: Source, permits: int, deadline: float | None, *, wait: bool
     ) -> tuple[Permit | None, float | None]:
         """One acquire statement (cut off at ``deadline`` plus grace; without a deadline, at
-        :data:`_WAIT_CHUNK` plus grace). Returns the permit, or None and when to try again
+        ``WAIT_CHUNK`` plus grace). Returns the permit, or None and when to try again
         (None: on the next wake-up)."""
         holder = f"{self._owner}:{uuid.uuid4().hex}"
         stmt = _sql.semaphore_acquire(
@@ -711,7 +701,7 @@ class Semaphore:
         )
         sent = time.monotonic()
         self._attempts += 1
-        cut_off = (sent + _WAIT_CHUNK if deadline is None else deadline) + _ANSWER_GRACE
+        cut_off = (sent + WAIT_CHUNK if deadline is None else deadline) + ANSWER_GRACE
         try:
             rows = _run(source, "acquire", self._schema, stmt, cut_off)
         except NoAnswer as exc:
@@ -754,7 +744,7 @@ class Semaphore:
             _run(
                 source, "release", self._schema,
                 _sql.semaphore_release(self._schema, self._name, holder),
-                _short_deadline(self._ttl),
+                short_deadline(self._ttl),
             )
         except Exception as exc:
             logger.info(
@@ -766,7 +756,7 @@ class Semaphore:
         try:
             rows = _run(
                 source, "info", self._schema, _sql.semaphore_info(self._schema, self._name),
-                _short_deadline(self._ttl),
+                short_deadline(self._ttl),
             )
         except psycopg.Error:
             return None
@@ -793,7 +783,7 @@ class Semaphore:
             rows, again = _run_once_more(
                 self._src(), "release", self._schema,
                 _sql.semaphore_release(self._schema, self._name, permit.holder),
-                _short_deadline(self._ttl),
+                short_deadline(self._ttl),
             )
         finally:
             self._poke()  # local waiters try at once

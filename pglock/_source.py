@@ -71,6 +71,21 @@ CONNECT_DEFAULTS: Mapping[str, str] = {
 #: How long the watchdog thread lingers without anything to watch before it exits.
 _WATCHDOG_IDLE = 30.0
 
+# Deadlines of the lease and semaphore statements (one policy for both; see docs/leases.md,
+# "Deadlines and a silent network").
+
+#: Seconds an acquire statement is given beyond its wait for its answer to arrive: past
+#: ``timeout + ANSWER_GRACE`` it is cut off (a silent network) and the acquire gives up.
+ANSWER_GRACE = 1.0
+#: The longest wait one acquire statement is given (``timeout=None`` waits in rounds of it,
+#: so that no statement is without a client-side deadline).
+WAIT_CHUNK = 30.0
+#: The deadline of a statement that waits for nothing (release, info, a given-back grant):
+#: the TTL, within these bounds (seconds). Past its TTL a lease or permit ends by itself.
+SHORT_DEADLINE = (1.0, 30.0)
+#: The longest a new NOTIFY listener takes to connect and LISTEN (seconds).
+LISTEN_DEADLINE = 10.0
+
 #: Statements sent, by kind (the lease statements "acquire", "extend", "extend_many",
 #: "release", "guard", ..., and "ping" for a source's liveness checks): for tests and benchmarks
 #: that count round trips.
@@ -199,6 +214,19 @@ def _cut_off(conn: psycopg.Connection[Any]) -> None:
 
 
 _watchdog = _Watchdog()
+
+
+def short_deadline(ttl: float) -> float:
+    """The deadline of a statement that waits for nothing, sent now (:data:`SHORT_DEADLINE`)."""
+    low, high = SHORT_DEADLINE
+    return time.monotonic() + min(high, max(low, ttl))
+
+
+def listen_deadline(wait_deadline: float | None) -> float:
+    """When a new NOTIFY listener must be listening: within :data:`LISTEN_DEADLINE`, and
+    within the first waiter's own deadline plus :data:`ANSWER_GRACE`."""
+    limit = time.monotonic() + LISTEN_DEADLINE
+    return limit if wait_deadline is None else min(limit, wait_deadline + ANSWER_GRACE)
 
 
 def within(
