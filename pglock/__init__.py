@@ -17,6 +17,7 @@ from ._semaphore import Permit, Semaphore, semaphore
 from ._singleton import Singleton, singleton
 from .errors import (
     DeadlockDetected,
+    HolderInUse,
     InvalidConnectionState,
     LimitMismatch,
     LockError,
@@ -33,6 +34,7 @@ __all__ = [
     "MAX_NAME_BYTES",
     "AdvisoryLock",
     "DeadlockDetected",
+    "HolderInUse",
     "InvalidConnectionState",
     "LeaderElection",
     "Lease",
@@ -75,6 +77,7 @@ __all__ = [
 for _cls in (
     AdvisoryLock,
     DeadlockDetected,
+    HolderInUse,
     InvalidConnectionState,
     LeaderElection,
     Lease,

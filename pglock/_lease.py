@@ -12,13 +12,28 @@ the caller's transaction. This module is the client around it:
   statements are idempotent per holder).
 * **Client deadline.** A lease is believed held until ``send time of the last successful
   acquire/extend + ttl`` on ``time.monotonic()``: never longer than the server keeps it,
-  whatever the two clocks say.
-* **Keepalive.** One daemon thread per process renews every live lease at about ``ttl/3``, one
-  ``extend_many`` statement per (source, schema) and round. Leases that come due within the same
-  half-interval ride in the same round, so a process's leases converge on one statement per
-  round. When a renewal finds the lease gone, or the deadline passes first, the lease is lost:
-  a WARNING is logged, ``on_lost`` runs, and ``check()``/``extend()``/``guard()`` raise
-  :class:`pglock.LockLost`.
+  whatever the two clocks say. An answer that arrives after that deadline is not believed:
+  a grant is given back (and the waiter goes on waiting, or gets False), a renewal does not
+  bring a lost lease back.
+* **Statement deadlines.** Every lease statement has a client-side deadline
+  (:meth:`Source.run_once_more`): an acquire its timeout plus ``ANSWER_GRACE``, a renewal
+  the lease's client deadline, a release or a query a bound from the TTL. A statement that
+  gets no answer by then (a silent network) is cut off and its connection closed; the outcome
+  is unknown, so an acquire returns False (a grant it may have made expires at its TTL).
+* **Keepalive.** One scheduler thread per process decides when each live lease is renewed
+  (about ``ttl/3``) and declares a lease lost when its client deadline passes, whatever any
+  statement does. The renewals themselves run in one worker thread per (source, schema), one
+  ``extend_many`` statement per round for all its due leases: a source whose network went
+  silent delays only its own leases (which are lost at their deadline, ``on_lost`` and all),
+  never another source's. Leases that come due within the same half-interval ride in the same
+  round, so a process's leases converge on one statement per round. When a renewal finds the
+  lease gone, or the deadline passes first, the lease is lost: a WARNING is logged,
+  ``on_lost`` runs, and ``check()``/``extend()``/``guard()`` raise :class:`pglock.LockLost`.
+* **One handle per holder id.** Two live handles of one holder id on one lease in a process
+  would both be granted (the server re-enters the same holder), and the release of one would
+  end the other's lease behind its back: a second handle is refused with
+  :class:`pglock.errors.HolderInUse` before any SQL (``resume=True`` takes the lease over from
+  the first handle instead, which reports it lost).
 * **Waiting.** Within a process, waiters for one name queue up and only the first one talks to
   the database. It wakes on the release ``NOTIFY`` (one listening connection per source and
   schema, payload = the name), on a local release, at the holder's expiry (computed from the
@@ -40,6 +55,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -56,11 +72,28 @@ from . import _conn, _sql
 from ._keys import remaining as _remaining
 from ._keys import validate_flag, validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
-from ._source import Source, close_dsn_sources, open_listening
+from ._source import (
+    ANSWER_GRACE,
+    SHORT_DEADLINE,
+    WAIT_CHUNK,
+    NoAnswer,
+    Source,
+    close_dsn_sources,
+    listen_deadline,
+    open_listening,
+    short_deadline,
+)
 from ._source import count as _count
 from ._source import make_source as _make_source
 from ._source import statements as _statements
-from .errors import InvalidConnectionState, LockError, LockLost, LockNotAcquired, SchemaNotInstalled
+from .errors import (
+    HolderInUse,
+    InvalidConnectionState,
+    LockError,
+    LockLost,
+    LockNotAcquired,
+    SchemaNotInstalled,
+)
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -89,8 +122,10 @@ _LISTENER_TICK = 0.5
 #: (possible under a REPEATABLE READ or SERIALIZABLE default isolation) is sent again (in an
 #: explicit READ COMMITTED transaction).
 _RETRIES = 5
-#: The keepalive thread looks up at least this often (seconds), leases or not.
+#: The keepalive scheduler looks up at least this often (seconds), leases or not.
 _KEEPALIVE_TICK = 5.0
+#: A renewal worker (one per source and schema) with nothing to do for this long exits.
+_WORKER_IDLE = 30.0
 
 _DEFAULT: Any = object()
 _NEW, _HELD, _RELEASED = "new", "held", "released"
@@ -205,14 +240,24 @@ def _stmt(kind: str, schema: str) -> bytes:
 
 
 def _run(
-    source: Source, kind: str, schema: str, params: tuple[Any, ...], timeout: float | None = None
+    source: Source,
+    kind: str,
+    schema: str,
+    params: tuple[Any, ...],
+    timeout: float | None = None,
+    deadline: float | None = None,
 ) -> list[tuple[Any, ...]]:
     """Send one lease statement and return its rows (see :func:`_run_once_more`)."""
-    return _run_once_more(source, kind, schema, params, timeout)[0]
+    return _run_once_more(source, kind, schema, params, timeout, deadline)[0]
 
 
 def _run_once_more(
-    source: Source, kind: str, schema: str, params: tuple[Any, ...], timeout: float | None = None
+    source: Source,
+    kind: str,
+    schema: str,
+    params: tuple[Any, ...],
+    timeout: float | None = None,
+    deadline: float | None = None,
 ) -> tuple[list[tuple[Any, ...]], bool]:
     """Send one lease statement; return its rows and whether it was sent a second time, on a
     new connection, because its connection died under it (:meth:`Source.run_once_more`).
@@ -221,9 +266,13 @@ def _run_once_more(
     holder re-enters keeping the token; extend and release name the holder and the token), so
     a first attempt that did commit before its connection died changes nothing but the answer
     of a release.
+
+    :param timeout: the longest wait for a pool connection.
+    :param deadline: the ``time.monotonic()`` instant the statement is cut off at
+        (:class:`NoAnswer`, a ``psycopg.OperationalError``: the outcome is unknown).
     """
     return source.run_once_more(
-        lambda conn: _execute(conn, kind, schema, params), "lease", kind, timeout
+        lambda conn: _execute(conn, kind, schema, params), "lease", kind, timeout, deadline
     )
 
 
@@ -390,7 +439,7 @@ class _Queue:
 class _Listener:
     """One LISTEN connection for a (source, schema) and the thread that reads it."""
 
-    def __init__(self, mgr: _Manager, source: Source, schema: str) -> None:
+    def __init__(self, mgr: _Manager, source: Source, schema: str, deadline: float) -> None:
         self.mgr = mgr
         self.source = source
         self.schema = schema
@@ -400,14 +449,15 @@ class _Listener:
         self.stopped = False
         self.conn: psycopg.Connection[Any] | None = None
         self._close: Callable[[], None] | None = None
-        self._connect()  # in the caller's thread: LISTEN is active before it tries again
+        # In the caller's thread: LISTEN is active before it tries again.
+        self._connect(deadline)
         self.thread = threading.Thread(
             target=self._run, name=f"pglock-lease-listener-{schema}", daemon=True
         )
 
-    def _connect(self) -> None:
+    def _connect(self, deadline: float) -> None:
         _count("listen")
-        self.conn, self._close = open_listening(self.source, self.channel)
+        self.conn, self._close = open_listening(self.source, self.channel, deadline)
         self.healthy = True
 
     def _drop(self) -> None:
@@ -427,7 +477,7 @@ class _Listener:
             while not self.stopped:
                 if self.conn is None:
                     try:
-                        self._connect()
+                        self._connect(listen_deadline(None))
                         backoff = 0.1
                         # Releases may have gone unheard while the connection was down.
                         self.mgr.wake_all(self.key)
@@ -459,16 +509,37 @@ class _Listener:
             self._drop()
 
 
+class _Worker:
+    """The renewal thread of one (source, schema) and its batches, run one after another."""
+
+    __slots__ = ("batches", "cond", "thread")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.batches: deque[list[Lease]] = deque()
+        self.cond = threading.Condition(lock)
+        self.thread: threading.Thread | None = None
+
+
 class _Manager:
-    """Process-wide state: held leases (keepalive), wait queues, NOTIFY listeners."""
+    """Process-wide state: held leases (keepalive), wait queues, NOTIFY listeners.
+
+    The keepalive is a scheduler thread and one worker thread per (source, schema). The
+    scheduler never sends a statement: it hands due leases to their group's worker in one
+    batch, and declares a lease lost at its client deadline, whether or not a renewal of it
+    is still running (a silent network may hold one until its statement deadline). A worker
+    sends one batch at a time; a group whose worker is busy gets its next batch when the
+    worker is done, without holding up any other group.
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.cond = threading.Condition(self.lock)  # the keepalive thread sleeps on it
+        self.cond = threading.Condition(self.lock)  # the keepalive scheduler sleeps on it
         self.leases: set[Lease] = set()
         self.thread: threading.Thread | None = None
-        #: When the sleeping keepalive thread wakes next (-inf while it is awake).
+        #: When the sleeping scheduler wakes next (-inf while it is awake).
         self.next_wake = -math.inf
+        #: Renewal workers per (source key, schema).
+        self.workers: dict[tuple[Any, ...], _Worker] = {}
         self.queues: dict[tuple[Any, ...], _Queue] = {}
         #: Tickets waiting, per (source key, schema): is a listener still needed?
         self.waiting: Counter[tuple[Any, ...]] = Counter()
@@ -476,7 +547,7 @@ class _Manager:
         self.listener_create = threading.Lock()
         self.rng = random.Random()
 
-    # -- held leases and the keepalive thread ------------------------------------------------
+    # -- held leases and the keepalive ---------------------------------------------------------
 
     def register(self, lease: Lease) -> None:
         with self.lock:
@@ -515,43 +586,22 @@ class _Manager:
     def _keepalive(self) -> None:
         while True:
             try:
-                self._keepalive_round()
+                self._schedule()
             except Exception:  # a bug here must not stop every renewal in the process
                 logger.exception("pglock's lease keepalive failed; it goes on")
                 time.sleep(0.1)
 
-    def _keepalive_round(self) -> None:
+    def _schedule(self) -> None:
+        """The scheduler's loop: losses at their deadline, batches to the workers, sleep."""
         while True:
-            lost: list[tuple[Lease, str]] = []
-            batches: dict[tuple[Any, ...], list[Lease]] = {}
             with self.lock:
                 now = time.monotonic()
-                wake_at = math.inf
-                due_groups: set[tuple[Any, ...]] = set()
-                for lease in self.leases:
-                    if lease._state != _HELD or lease._lost:
-                        continue  # being released, or lost: about to leave the set
-                    if now >= lease._deadline:
-                        lost.append((lease, "its TTL ran out before a renewal succeeded"))
-                        continue
-                    wake_at = min(wake_at, lease._deadline)
-                    if not lease._keepalive:
-                        continue
-                    due = lease._renew_due()
-                    if now >= due:
-                        due_groups.add(lease._group)
-                    wake_at = min(wake_at, due)
-                if due_groups:
-                    for lease in self.leases:
-                        if (
-                            lease._keepalive
-                            and lease._group in due_groups
-                            and not lease._renewing
-                            and lease._renew_soon() <= now < lease._deadline
-                        ):
-                            lease._renewing = True
-                            batches.setdefault(lease._group, []).append(lease)
-                if not lost and not batches:
+                lost, batches, wake_at = self._scan(now)
+                for group, leases in batches.items():
+                    self._dispatch(group, leases)
+                if not lost:
+                    if batches:
+                        continue  # look again: the leases handed out are no longer due
                     # Look up at least every few seconds, so that registering a lease due later
                     # than that needs no wake-up (a thread switch per acquire otherwise).
                     wake_at = min(wake_at, now + _KEEPALIVE_TICK)
@@ -561,13 +611,81 @@ class _Manager:
                     continue
             for lease, reason in lost:
                 lease._lose(reason)
-            for leases in batches.values():
-                try:
-                    self._renew(leases)
-                finally:
-                    with self.lock:
-                        for lease in leases:
-                            lease._renewing = False
+
+    def _scan(
+        self, now: float
+    ) -> tuple[list[tuple[Lease, str]], dict[tuple[Any, ...], list[Lease]], float]:
+        """With the lock held: the leases past their deadline, the renewal batches due now
+        (marked as renewing), and when to look again."""
+        lost: list[tuple[Lease, str]] = []
+        wake_at = math.inf
+        due_groups: set[tuple[Any, ...]] = set()
+        for lease in self.leases:
+            if lease._state != _HELD or lease._lost:
+                continue  # being released, or lost: about to leave the set
+            if now >= lease._deadline:
+                lost.append((lease, "its TTL ran out before a renewal succeeded"))
+                continue
+            wake_at = min(wake_at, lease._deadline)
+            if not lease._keepalive or lease._renewing:
+                continue  # a renewal in flight: only its deadline counts
+            due = lease._renew_due()
+            if now >= due:
+                due_groups.add(lease._group)
+            else:
+                wake_at = min(wake_at, due)
+        batches: dict[tuple[Any, ...], list[Lease]] = {}
+        if due_groups:
+            for lease in self.leases:
+                if (
+                    lease._keepalive
+                    and lease._group in due_groups
+                    and not lease._renewing
+                    and lease._state == _HELD
+                    and not lease._lost
+                    and lease._renew_soon() <= now < lease._deadline
+                ):
+                    lease._renewing = True
+                    batches.setdefault(lease._group, []).append(lease)
+        return lost, batches, wake_at
+
+    def _dispatch(self, group: tuple[Any, ...], leases: list[Lease]) -> None:
+        """With the lock held: hand a batch to its group's worker (started if needed)."""
+        worker = self.workers.get(group)
+        if worker is None:
+            worker = self.workers[group] = _Worker(self.lock)
+        worker.batches.append(leases)
+        if worker.thread is None:
+            worker.thread = threading.Thread(
+                target=self._work,
+                args=(group, worker),
+                name=f"pglock-lease-renewal-{group[1]}",
+                daemon=True,
+            )
+            worker.thread.start()
+        else:
+            worker.cond.notify()
+
+    def _work(self, group: tuple[Any, ...], worker: _Worker) -> None:
+        """A worker's loop: renew its group's batches; exit after a while without any."""
+        while True:
+            with self.lock:
+                while not worker.batches:
+                    if not worker.cond.wait(_WORKER_IDLE) and not worker.batches:
+                        worker.thread = None
+                        if self.workers.get(group) is worker:
+                            del self.workers[group]
+                        return
+                leases = worker.batches.popleft()
+            try:
+                self._renew(leases)
+            except Exception:  # a bug here must not stop the group's renewals
+                logger.exception("pglock's lease renewal failed; it goes on")
+            finally:
+                with self.lock:
+                    for lease in leases:
+                        lease._renewing = False
+                    self.cond.notify()  # the scheduler looks again: due times moved
 
     def _renew(self, leases: list[Lease]) -> None:
         source, schema = leases[0]._source, leases[0]._schema
@@ -580,23 +698,25 @@ class _Manager:
         ttls = [s[4] for s in snaps]
         durable = any(s[0]._durable for s in snaps)
         sent = time.monotonic()
-        # Waiting longer than the earliest deadline would only hide a loss.
+        # Waiting longer than the earliest deadline would only hide a loss; an answer after it
+        # is cut off (a silent network must not hold the worker past it).
         wait = max(0.05, min(s[0]._deadline for s in snaps) - sent)
         try:
             rows = _run(
                 source, "extend_many", schema, (names, holders, tokens, ttls, durable, wait),
-                timeout=wait,
+                timeout=wait, deadline=sent + wait,
             )
         except Exception as exc:
             logger.info("renewing %d lease(s) failed, retrying: %r", len(snaps), exc)
             for lease, *_ in snaps:
                 lease._renew_failed(sent)
             return
+        received = time.monotonic()
         renewed = {(r[0], r[1]): r[2] for r in rows}
         for lease, name, _holder, token, ttl, gen in snaps:
             expires_at = renewed.get((name, token))
             if expires_at is not None:
-                lease._renewed(gen, sent, ttl, expires_at)
+                lease._renewed(gen, sent, ttl, expires_at, received)
             else:
                 lease._lose(
                     "the renewal found it no longer held (expired, taken over, or released "
@@ -661,8 +781,14 @@ class _Manager:
 
     # -- listeners ----------------------------------------------------------------------------
 
-    def listener(self, source: Source, schema: str) -> tuple[_Listener | None, bool]:
-        """The (source, schema) listener, started if needed: (listener, created now)."""
+    def listener(
+        self, source: Source, schema: str, deadline: float
+    ) -> tuple[_Listener | None, bool]:
+        """The (source, schema) listener, started if needed: (listener, created now).
+
+        :param deadline: when a new listener must be listening (:func:`listen_deadline`);
+            past it, waiters poll instead.
+        """
         key = (source.key, schema)
         with self.lock:
             lst = self.listeners.get(key)
@@ -674,7 +800,7 @@ class _Manager:
                 if lst is not None:
                     return lst, False
             try:
-                lst = _Listener(self, source, schema)
+                lst = _Listener(self, source, schema, deadline)
             except Exception as exc:
                 logger.info("could not LISTEN for lease releases (%r); waiters poll instead", exc)
                 return None, False
@@ -711,6 +837,24 @@ class _Manager:
 _manager_lock = threading.Lock()
 _the_manager: _Manager | None = None
 
+#: The handle of each (database, schema, name, holder id) that is acquiring, holding or
+#: releasing it in this process (see :meth:`Lease._claim`).
+_claims: dict[tuple[Any, ...], weakref.ref[Lease]] = {}
+_claims_lock = threading.Lock()
+#: Prune the claims of collected handles (a lost lease dropped without a release) when there
+#: are more than this many; it doubles with the live ones.
+_claims_prune_at = 1024
+
+
+def _prune_claims() -> None:
+    """With ``_claims_lock`` held: forget the claims of handles that were collected."""
+    global _claims_prune_at
+    if len(_claims) <= _claims_prune_at:
+        return
+    for key in [k for k, ref in _claims.items() if ref() is None]:
+        del _claims[key]
+    _claims_prune_at = max(1024, 2 * len(_claims))
+
 
 def _mgr() -> _Manager:
     global _the_manager
@@ -726,9 +870,11 @@ def _mgr() -> _Manager:
 def _after_fork_in_child() -> None:
     # Threads and connections do not survive a fork: the child starts from nothing, and the
     # parent's leases stay the parent's (the child must not renew or release them).
-    global _the_manager, _manager_lock
+    global _the_manager, _manager_lock, _claims_lock
     _the_manager = None
     _manager_lock = threading.Lock()
+    _claims.clear()
+    _claims_lock = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -772,7 +918,21 @@ class Lease:
 
     Thread safety: a ``Lease`` may be shared between threads (``check()``, ``guard()`` and the
     properties are safe from any thread; ``acquire``/``release``/``extend`` are serialized).
-    pglock's keepalive thread renews it in the background.
+    pglock's keepalive renews it in the background.
+
+    One holder id, one handle: in a process, at most one handle of a holder id may be
+    acquiring, holding or releasing a lease (same database, schema and name). A second handle
+    with the same holder id is **refused** with :class:`pglock.errors.HolderInUse` before any
+    SQL, not shared by counted re-entry: the server re-enters a holder id, so two handles
+    would both be "granted" and the release of one would end the lease under the other. A
+    handle whose lease was lost does not count (the new handle supersedes it: its release
+    sends nothing). ``resume=True`` takes a live lease over from the first handle, which then
+    reports it lost (``on_lost``) and releases nothing. The database is told apart by host,
+    port and database name as written in the source (``localhost`` and ``127.0.0.1`` count as
+    two databases).
+
+    ``acquire()`` returns True only for a grant whose answer arrived before the grant's
+    client deadline (send time + ``ttl``); a later one is given back, never believed.
     """
 
     def __init__(
@@ -826,6 +986,14 @@ class Lease:
         self._retry_at: float | None = None
         self._renewing = False  # guarded by the manager's lock
         self._refused: tuple[str | None, datetime | None] | None = None  # (holder, until)
+        #: Why the last acquire did not grant, when not refused by a holder (no answer, a
+        #: grant that came too late): for the LockNotAcquired message.
+        self._why_not: str | None = None
+        #: One live handle per (database, schema, name, holder id) in the process.
+        self._claim_key = (self._source.database, self._schema, self._name, self._holder)
+        #: Another handle took the claim over (resume, or this one was lost): a release of
+        #: this handle sends nothing.
+        self._superseded = False
 
     # -- properties --------------------------------------------------------------------------
 
@@ -893,10 +1061,18 @@ class Lease:
     def acquire(self, blocking: bool = True, timeout: float | None = _DEFAULT) -> bool:
         """Take the lease; return True when granted, False when not granted in time.
 
+        True means granted *and* still within the grant's client deadline (send time of the
+        acquire + ttl) when the answer arrived: a grant that arrives later is given back and
+        the wait goes on, or False is returned. An acquire that gets no answer by ``timeout +``
+        ``ANSWER_GRACE`` (1 s; a silent network) returns False; a grant it may have made
+        expires at its TTL.
+
         :param blocking: False tries once (same as ``timeout=0``).
         :param timeout: seconds to wait; ``None`` waits forever; omitted uses the timeout given
             to :func:`lease`. Ignored for ``resume=True``, which never waits.
         :raises RuntimeError: this handle already holds the lease.
+        :raises pglock.errors.HolderInUse: another live handle of this process has the same
+            holder id on this lease (before any SQL).
         :raises pglock.LockLost: ``resume=True`` and no live lease of this holder exists.
         :raises pglock.SchemaNotInstalled: the database has no lease schema.
         """
@@ -917,38 +1093,103 @@ class Lease:
                 self._lose("its TTL ran out before a renewal succeeded")
                 with self._lock:
                     self._state = _NEW
-            if self._resume:
-                self._do_resume()
-                return True
-            if timeout == 0:
-                return self._attempt_once(0.0)
-            return self._wait_and_acquire(timeout)
+            self._claim()
+            granted = False
+            try:
+                self._why_not = None
+                if self._resume:
+                    granted = self._do_resume()
+                elif timeout == 0:
+                    granted = self._attempt_once()
+                else:
+                    granted = self._wait_and_acquire(timeout)
+                return granted
+            finally:
+                if not granted:
+                    self._unclaim()
 
-    def _attempt(self, wait: float | None) -> tuple[Any, ...]:
-        """One acquire statement. Returns its row plus the monotonic send and receive times."""
+    # -- one live handle per holder id -------------------------------------------------------
+
+    def _claim(self) -> None:
+        """Make this handle the one of its holder id on this lease in the process, before any
+        SQL; raise :class:`HolderInUse` if another handle is acquiring, holding (live) or
+        releasing it. A lost handle is superseded (its release sends nothing); so is a live
+        one when this handle resumes (it is then lost)."""
+        superseded: Lease | None = None
+        with _claims_lock:
+            other_ref = _claims.get(self._claim_key)
+            other = None if other_ref is None else other_ref()
+            if other is not None and other is not self:
+                with other._lock:
+                    live = other._state != _HELD or not (
+                        other._lost or time.monotonic() >= other._deadline
+                    )
+                    if live and not (self._resume and other._state == _HELD):
+                        raise HolderInUse(
+                            self._name, holder=self._holder, schema=self._schema
+                        )
+                    other._superseded = True
+                superseded = other if live else None
+            _claims[self._claim_key] = weakref.ref(self)
+            _prune_claims()
+            with self._lock:
+                self._superseded = False
+        if superseded is not None:
+            superseded._lose(
+                "another handle of this process resumed it with the same holder id"
+            )
+
+    def _unclaim(self) -> None:
+        with _claims_lock:
+            ref = _claims.get(self._claim_key)
+            if ref is not None and ref() is self:
+                del _claims[self._claim_key]
+
+    # -- acquiring ---------------------------------------------------------------------------
+
+    def _attempt(self, wait: float | None) -> tuple[Any, ...] | None:
+        """One acquire statement, asking the server to wait ``wait`` seconds at most (None:
+        ``WAIT_CHUNK``). Returns its row plus the monotonic send and receive times, or None
+        when it got no answer by ``wait + ANSWER_GRACE`` (it was cut off)."""
+        wait = WAIT_CHUNK if wait is None else min(wait, WAIT_CHUNK)
         sent = time.monotonic()
-        rows = _run(
-            self._source,
-            "acquire",
-            self._schema,
-            (self._name, self._holder, self._ttl, self._metadata_json, wait, self._durable),
-            timeout=wait or None,
-        )
+        try:
+            rows = _run(
+                self._source,
+                "acquire",
+                self._schema,
+                (self._name, self._holder, self._ttl, self._metadata_json, wait, self._durable),
+                timeout=wait or None,
+                deadline=sent + wait + ANSWER_GRACE,
+            )
+        except NoAnswer as exc:
+            self._why_not = (
+                f"the database gave no answer within {wait + ANSWER_GRACE:.2f} s (a grant it "
+                "may have made expires at its TTL)"
+            )
+            logger.warning("acquiring lease %r: %s: %s", self._name, self._why_not, exc)
+            return None
         row = (*rows[0], sent, time.monotonic())
         if not row[0]:
             self._refused = (row[1], row[4])
         return row
 
-    def _attempt_once(self, wait: float | None) -> bool:
-        row = self._attempt(wait)
+    def _attempt_once(self) -> bool:
+        row = self._attempt(0.0)
+        if row is None:
+            return False
         if row[0]:
-            self._granted(row)
-            return True
+            return self._granted(row)
         logger.debug("lease %r is held by %r until %s", self._name, row[1], row[4])
         return False
 
-    def _granted(self, row: tuple[Any, ...]) -> None:
-        _granted, _holder, token, acquired_at, expires_at, _server, sent, _recv = row
+    def _granted(self, row: tuple[Any, ...]) -> bool:
+        """Believe a grant, if its answer came before its client deadline; else give it back
+        (best effort) and return False."""
+        _granted, _holder, token, acquired_at, expires_at, _server, sent, received = row
+        if received >= sent + self._ttl:
+            self._give_back(token, received - sent)
+            return False
         with self._lock:
             self._state = _HELD
             self._lost = False
@@ -962,6 +1203,29 @@ class Lease:
             self._retry_at = None
         logger.debug("acquired lease %r (token %s)", self._name, token)
         _mgr().register(self)
+        return True
+
+    def _give_back(self, token: int, took: float) -> None:
+        """A grant whose answer came after its client deadline: this handle never believes
+        it. Release it now (the statement is idempotent per holder) so nobody waits a TTL."""
+        self._why_not = (
+            f"a grant (token {token}) arrived {took:.3f} s after the acquire was sent, past "
+            f"its ttl of {self._ttl:g} s, and was given back"
+        )
+        logger.info("lease %r: %s", self._name, self._why_not)
+        try:
+            _run(
+                self._source,
+                "release",
+                self._schema,
+                (self._name, self._holder, token),
+                deadline=short_deadline(self._ttl),
+            )
+        except Exception as exc:
+            logger.info(
+                "giving back the late grant of lease %r failed (it expires at its TTL): %r",
+                self._name, exc,
+            )
 
     def _wait_and_acquire(self, timeout: float | None) -> bool:
         mgr = _mgr()
@@ -976,29 +1240,16 @@ class Lease:
                 with mgr.lock:
                     seen = q.version
                     local = q.holder
-                wake_at: float | None = None
-                if local is not None and local is not self:
-                    with local._lock:
-                        if local._state == _HELD and not local._lost:
-                            wake_at = local._deadline + _EXPIRY_MARGIN
-                        elif local._state == _RELEASED:
-                            # Its release is in flight; its end wakes us (a short safety net).
-                            wake_at = time.monotonic() + 1.0
+                wake_at = self._local_wake(local)
                 if wake_at is None or wake_at <= time.monotonic():
-                    remaining = _remaining(deadline)
-                    row = self._attempt(remaining)
-                    if row[0]:
-                        self._granted(row)
+                    row = self._attempt(_remaining(deadline))
+                    if row is not None and row[0] and self._granted(row):
                         return True
-                    if listener is None or not listener.healthy:
-                        listener, created = mgr.listener(self._source, self._schema)
+                    if row is not None and not row[0]:
+                        listener, created = self._ensure_listener(mgr, listener, deadline)
                         if created:
                             continue  # LISTEN is active now: look once more, then sleep
-                    if row[4] is not None and row[5] is not None:
-                        left = max(0.0, (row[4] - row[5]).total_seconds())
-                        wake_at = row[7] + left + _EXPIRY_MARGIN
-                    else:  # refused without a holder to wait for (contention): a short pause
-                        wake_at = row[7] + mgr.rng.uniform(0.005, 0.02)
+                    wake_at = self._wake_after(row, mgr.rng)
                     if deadline is not None and time.monotonic() >= deadline:
                         return False
                 if local is None:
@@ -1018,14 +1269,52 @@ class Lease:
         finally:
             mgr.dequeue(self._qkey, q, ticket)
 
-    def _do_resume(self) -> None:
+    def _ensure_listener(
+        self, mgr: _Manager, listener: _Listener | None, deadline: float | None
+    ) -> tuple[_Listener | None, bool]:
+        """A refused waiter's NOTIFY listener: (listener, created now)."""
+        if listener is not None and listener.healthy:
+            return listener, False
+        return mgr.listener(self._source, self._schema, listen_deadline(deadline))
+
+    def _local_wake(self, local: Lease | None) -> float | None:
+        """When to look again while a lease of this process holds the name (None: now)."""
+        if local is None or local is self:
+            return None
+        with local._lock:
+            if local._state == _HELD and not local._lost:
+                return local._deadline + _EXPIRY_MARGIN
+            if local._state == _RELEASED:
+                # Its release is in flight; its end wakes us (a short safety net).
+                return time.monotonic() + 1.0
+        return None
+
+    @staticmethod
+    def _wake_after(row: tuple[Any, ...] | None, rng: random.Random) -> float:
+        """When to try again after an attempt that did not grant: just after the holder's
+        expiry on the server clock, or after a short jittered pause (contention, a grant
+        given back, no answer)."""
+        if row is not None and not row[0] and row[4] is not None and row[5] is not None:
+            left = max(0.0, float((row[4] - row[5]).total_seconds()))
+            received: float = row[7]
+            return received + left + _EXPIRY_MARGIN
+        return time.monotonic() + rng.uniform(0.005, 0.02)
+
+    def _do_resume(self) -> bool:
         sent = time.monotonic()
-        rows = _run(
-            self._source,
-            "extend",
-            self._schema,
-            (self._name, self._holder, None, self._ttl, self._durable),
-        )
+        try:
+            rows = _run(
+                self._source,
+                "extend",
+                self._schema,
+                (self._name, self._holder, None, self._ttl, self._durable),
+                deadline=short_deadline(self._ttl),
+            )
+        except NoAnswer as exc:
+            self._why_not = "the database gave no answer to the resume in time"
+            logger.warning("resuming lease %r: %s: %s", self._name, self._why_not, exc)
+            return False
+        received = time.monotonic()
         if not rows:
             raise LockLost(
                 self._name,
@@ -1033,9 +1322,15 @@ class Lease:
                 "was released, or another holder has it)",
             )
         token, acquired_at, expires_at, metadata = rows[0]
+        if received >= sent + self._ttl:
+            # Not believed, and not given back either: a later resume can still re-attach.
+            self._why_not = "the resume's answer arrived after its ttl had run out"
+            logger.info("lease %r: %s", self._name, self._why_not)
+            return False
         self._metadata = metadata
-        self._granted((True, self._holder, token, acquired_at, expires_at, None, sent, sent))
+        self._granted((True, self._holder, token, acquired_at, expires_at, None, sent, received))
         logger.info("resumed lease %r (token %s)", self._name, token)
+        return True
 
     # -- release -----------------------------------------------------------------------------
 
@@ -1044,20 +1339,31 @@ class Lease:
 
         :raises RuntimeError: the handle does not hold the lease.
         :raises pglock.LockLost: the lease had expired or been taken over before the release
-            (the handle is released all the same).
+            (the handle is released all the same), or another handle of this process took it
+            over with ``resume=True`` (nothing is sent: the lease is that handle's now).
+        :raises psycopg.OperationalError: the release got no answer in time (the lease ends at
+            its TTL).
         """
         with self._op:
-            with self._lock:
+            with _claims_lock, self._lock:
                 if self._state != _HELD:
                     raise RuntimeError(f"release of a lease that is not held: {self._name!r}")
                 self._state = _RELEASED
                 self._gen += 1
                 was_lost, reason = self._lost, self._lost_reason
                 token = self._token
+                superseded = self._superseded
             mgr = _mgr()
+            if superseded:
+                mgr.unregister(self)
+                raise LockLost(
+                    self._name,
+                    reason=reason or "another handle of this process took it over",
+                )
             try:
                 rows, again = _run_once_more(
-                    self._source, "release", self._schema, (self._name, self._holder, token)
+                    self._source, "release", self._schema, (self._name, self._holder, token),
+                    deadline=short_deadline(self._ttl),
                 )
             except BaseException:
                 mgr.unregister(self)
@@ -1066,6 +1372,8 @@ class Lease:
                     exc_info=True,
                 )
                 raise
+            finally:
+                self._unclaim()
             status, notified = rows[0]
             mgr.unregister(self, notified=bool(notified))
             if status == "released":
@@ -1087,7 +1395,9 @@ class Lease:
     def __enter__(self) -> Self:
         if not self.acquire():
             info = ""
-            if self._refused is not None and self._refused[0] is not None:
+            if self._why_not is not None:
+                info = f": {self._why_not}"
+            elif self._refused is not None and self._refused[0] is not None:
                 info = f": held by {self._refused[0]!r} until {self._refused[1]}"
             raise LockNotAcquired(
                 self._name,
@@ -1142,20 +1452,31 @@ class Lease:
         with self._op:
             self._ensure_valid()
             with self._lock:
-                token, gen = self._token, self._gen
+                token, gen, deadline = self._token, self._gen, self._deadline
             sent = time.monotonic()
-            rows = _run(
-                self._source,
-                "extend",
-                self._schema,
-                (self._name, self._holder, token, new_ttl, self._durable),
-            )
+            try:
+                # An answer after the current deadline could not bring the lease back.
+                rows = _run(
+                    self._source,
+                    "extend",
+                    self._schema,
+                    (self._name, self._holder, token, new_ttl, self._durable),
+                    deadline=max(deadline, sent + 0.05),
+                )
+            except NoAnswer:
+                self._lose("extend got no answer before the lease's client deadline", gen=gen)
+                self._ensure_valid()
+                raise
+            received = time.monotonic()
             if not rows:
                 self._lose("extend found it no longer held (expired or taken over)", gen=gen)
                 self._ensure_valid()
             with self._lock:
                 self._ttl = new_ttl
-            self._renewed(gen, sent, new_ttl, rows[0][2])
+            self._renewed(gen, sent, new_ttl, rows[0][2], received)
+            # Lost meanwhile (the keepalive's deadline, a late answer): say so, never return
+            # as if renewed.
+            self._ensure_valid()
 
     def guard(self, conn: object) -> None:
         """Fence a write: in the caller's open transaction on the lease's database, check that
@@ -1199,7 +1520,10 @@ class Lease:
         if not (row and row[0]):
             # Ask the lease's own source before declaring a loss: a connection to another
             # database (with its own pglock schema) would not see this lease at all.
-            rows = _run(self._source, "info", self._schema, (self._name,))
+            rows = _run(
+                self._source, "info", self._schema, (self._name,),
+                deadline=short_deadline(self._ttl),
+            )
             if rows and rows[0][1] == self._holder and rows[0][2] == token:
                 raise InvalidConnectionState(
                     f"guard(): this connection does not see lease {self._name!r}, which is "
@@ -1244,15 +1568,26 @@ class Lease:
                 return None
             return (self, self._name, self._holder, self._token, self._ttl, self._gen)
 
-    def _renewed(self, gen: int, sent: float, ttl: float, expires_at: datetime) -> None:
+    def _renewed(
+        self, gen: int, sent: float, ttl: float, expires_at: datetime, received: float
+    ) -> None:
+        """A renewal sent at ``sent`` answered at ``received``: move the deadline on, unless
+        the answer came after the current deadline (the lease was lost by then, and
+        ``on_lost`` may have run: a late answer never brings it back)."""
         with self._lock:
             if gen != self._gen or self._state != _HELD or self._lost:
                 return
-            self._sent_at = max(self._sent_at, sent)
-            self._deadline = max(self._deadline, sent + ttl)
-            if self._expires_at is None or expires_at > self._expires_at:
-                self._expires_at = expires_at
-            self._retry_at = None
+            late = received >= self._deadline
+            if not late:
+                self._sent_at = max(self._sent_at, sent)
+                self._deadline = max(self._deadline, sent + ttl)
+                if self._expires_at is None or expires_at > self._expires_at:
+                    self._expires_at = expires_at
+                self._retry_at = None
+        if late:
+            self._lose(
+                "a renewal's answer arrived after the lease's client deadline", gen=gen
+            )
 
     def _renew_failed(self, sent: float) -> None:
         with self._lock:
@@ -1304,8 +1639,9 @@ def lease(
     :param timeout: ``None`` waits until granted; ``0`` tries once; ``> 0`` waits that long.
     :param metadata: any JSON value stored with the lease (at most 64 KiB).
     :param keepalive: renew in pglock's background thread at about ``ttl/3``.
-    :param holder: the holder id (default: ``host:pid:random``). The same holder re-acquiring
-        a live lease keeps its token.
+    :param holder: the holder id (default: ``host:pid:random``, unique per handle). The same
+        holder re-acquiring a live lease keeps its token. In one process, one handle per
+        holder id and lease: a second one's acquire raises :class:`pglock.errors.HolderInUse`.
     :param on_lost: called as ``on_lost(lease)`` when the lease is lost (in pglock's thread).
     :param resume: re-attach to a live lease of ``holder`` (after a restart) instead of
         acquiring; :class:`pglock.LockLost` if there is none.
@@ -1344,7 +1680,8 @@ def _query(
 ) -> list[tuple[Any, ...]]:
     """Run a read-only lease query on a source (pool, engine, DSN) or a caller's connection."""
     if isinstance(target, str) or not _is_connection(target):
-        return _run(make_source(target), kind, schema, params)
+        deadline = time.monotonic() + SHORT_DEADLINE[1]
+        return _run(make_source(target), kind, schema, params, deadline=deadline)
     resolved = _conn.resolve(target)
     pg = resolved.conn
     status = _conn.check_usable(pg)

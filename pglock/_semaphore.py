@@ -12,8 +12,14 @@ inserts the caller's permit row when it fits, in one READ COMMITTED transaction 
 * **Crash safety.** A permit row expires ``ttl`` seconds after its last renewal. A keepalive
   thread per :class:`Semaphore` renews all of its permits in one statement every ``ttl/3``;
   the holder believes in a permit until ``send time of the last successful acquire/renewal +
-  ttl`` (``time.monotonic()``), never longer than the server keeps it. A holder that dies
-  stops renewing, and its permits come back within ``ttl``.
+  ttl`` (``time.monotonic()``), never longer than the server keeps it. An answer that arrives
+  after that deadline is not believed: a late grant is given back (the wait goes on, or the
+  acquire fails), a late renewal does not bring a lost permit back. A holder that dies stops
+  renewing, and its permits come back within ``ttl``.
+* **Statement deadlines**, as for leases (one policy, in ``_source.py``): an acquire is cut
+  off at its timeout plus ``ANSWER_GRACE`` (a silent network; it then fails, and a permit it may
+  have been granted expires at its TTL), a renewal at the earliest deadline of the permits it
+  renews, a release or a query at a bound from the TTL.
 * **Waiting.** Within one :class:`Semaphore` object, waiters queue in arrival order and only
   the first one asks the database. It wakes on the release ``NOTIFY`` (one LISTEN connection
   per source and schema, payload = the name), on a local release, when the earliest permit
@@ -46,7 +52,16 @@ from . import _conn, _sql
 from ._keys import remaining as _remaining
 from ._keys import validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, validate_schema
-from ._source import DsnSource, Source, open_listening
+from ._source import (
+    ANSWER_GRACE,
+    WAIT_CHUNK,
+    DsnSource,
+    NoAnswer,
+    Source,
+    listen_deadline,
+    open_listening,
+    short_deadline,
+)
 from ._source import make_source as _make_source
 from .errors import (
     InvalidConnectionState,
@@ -119,14 +134,16 @@ def make_source(source: object) -> Source:
     return _make_source(source, "semaphore")
 
 
-def _run(source: Source, kind: str, schema: str, stmt: sql.Composed) -> list[tuple[Any, ...]]:
+def _run(
+    source: Source, kind: str, schema: str, stmt: sql.Composed, deadline: float | None
+) -> list[tuple[Any, ...]]:
     """Send one semaphore statement batch and return the rows of its last row-returning
     statement (see :func:`_run_once_more`)."""
-    return _run_once_more(source, kind, schema, stmt)[0]
+    return _run_once_more(source, kind, schema, stmt, deadline)[0]
 
 
 def _run_once_more(
-    source: Source, kind: str, schema: str, stmt: sql.Composed
+    source: Source, kind: str, schema: str, stmt: sql.Composed, deadline: float | None
 ) -> tuple[list[tuple[Any, ...]], bool]:
     """Send one semaphore statement batch (one round trip, autocommit, on a connection of the
     source's); return its rows and whether it was sent a second time, on a new connection,
@@ -136,8 +153,13 @@ def _run_once_more(
     says so). An acquire names a holder of its own: a first attempt that committed a grant
     before its connection died makes the second one fail on the permit's primary key, and the
     unrenewed permit comes back after its TTL, as it would without the second attempt.
+
+    :param deadline: the ``time.monotonic()`` instant the statement is cut off at
+        (:class:`NoAnswer`, a ``psycopg.OperationalError``: the outcome is unknown).
     """
-    return source.run_once_more(lambda conn: _execute(conn, schema, stmt), "semaphore", kind)
+    return source.run_once_more(
+        lambda conn: _execute(conn, schema, stmt), "semaphore", kind, None, deadline
+    )
 
 
 def _execute(
@@ -180,7 +202,7 @@ def _in_failed_transaction(conn: psycopg.Connection[Any]) -> bool:
 
 
 class _Listener:
-    def __init__(self, source: Source, schema: str) -> None:
+    def __init__(self, source: Source, schema: str, deadline: float) -> None:
         self.source = source
         self.schema = schema
         self.channel = semaphore_channel(schema)
@@ -192,14 +214,14 @@ class _Listener:
         self.closed = False
         self.conn: psycopg.Connection[Any] | None = None
         self._close: Callable[[], None] | None = None
-        self._connect()  # in the caller's thread: LISTEN is active before it tries
+        self._connect(deadline)  # in the caller's thread: LISTEN is active before it tries
         self.thread = threading.Thread(
             target=self._run, name=f"pglock-semaphore-listener-{schema}", daemon=True
         )
         self.thread.start()
 
-    def _connect(self) -> None:
-        self.conn, self._close = open_listening(self.source, self.channel)
+    def _connect(self, deadline: float) -> None:
+        self.conn, self._close = open_listening(self.source, self.channel, deadline)
         self.healthy = True
 
     def _drop(self) -> None:
@@ -236,7 +258,7 @@ class _Listener:
         while not self.closed:
             if self.conn is None:
                 try:
-                    self._connect()
+                    self._connect(listen_deadline(None))
                     backoff = 0.1
                     self._wake(None)  # releases may have gone unheard meanwhile
                 except Exception as exc:
@@ -272,15 +294,16 @@ _listeners: dict[tuple[Any, ...], _Listener] = {}
 _listeners_lock = threading.Lock()
 
 
-def _listener(source: Source, schema: str, sem: Semaphore) -> _Listener | None:
+def _listener(source: Source, schema: str, sem: Semaphore, deadline: float) -> _Listener | None:
     """The (source, schema) listener, started if needed, with ``sem`` subscribed to it (under
-    the same lock as :func:`_retire`, so it cannot be retired in between)."""
+    the same lock as :func:`_retire`, so it cannot be retired in between). A new one must be
+    listening by ``deadline`` (:func:`listen_deadline`), or waiters poll."""
     key = (source.key, schema)
     with _listeners_lock:
         lst = _listeners.get(key)
         if lst is None or lst.closed:
             try:
-                lst = _Listener(source, schema)
+                lst = _Listener(source, schema, deadline)
             except Exception as exc:
                 logger.info(
                     "could not LISTEN for semaphore releases (%r); waiters poll instead", exc
@@ -501,7 +524,8 @@ class Semaphore:
         :raises pglock.SchemaNotInstalled: the pglock schema is missing.
         """
         rows = _run(
-            self._src(), "info", self._schema, _sql.semaphore_info(self._schema, self._name)
+            self._src(), "info", self._schema, _sql.semaphore_info(self._schema, self._name),
+            short_deadline(self._ttl),
         )
         return int(rows[0][2]) if rows else 0
 
@@ -612,7 +636,7 @@ class Semaphore:
                             return None
                         self._cond.wait(remaining)
                     version = self._version
-                permit, retry_in = self._try(source, permits, wait=timeout != 0)
+                permit, retry_in = self._try(source, permits, deadline, wait=timeout != 0)
                 if permit is not None:
                     return permit
                 remaining = _remaining(deadline)
@@ -621,7 +645,7 @@ class Semaphore:
                 # Refused: LISTEN from now on (an uncontended acquire never opens the LISTEN
                 # connection). A release sent before LISTEN was active went unheard, so try
                 # again at once when the subscription is new.
-                listener, new = self._listen(source)
+                listener, new = self._listen(source, deadline)
                 if new:
                     continue
                 attempt += 1
@@ -645,13 +669,15 @@ class Semaphore:
                     self._listening = None
                 self._cond.notify_all()  # the next in line goes at once
 
-    def _listen(self, source: Source) -> tuple[_Listener | None, bool]:
+    def _listen(
+        self, source: Source, deadline: float | None
+    ) -> tuple[_Listener | None, bool]:
         """This object's NOTIFY subscription, made now if needed: (listener, made now)."""
         with self._cond:
             current = self._listening
         if current is not None and not current.closed:
             return current, False
-        lst = _listener(source, self._schema, self)
+        lst = _listener(source, self._schema, self, listen_deadline(deadline))
         with self._cond:
             self._listening = lst
         return lst, lst is not None
@@ -662,8 +688,12 @@ class Semaphore:
         low, high = _DEGRADED_POLL
         return self._rng.uniform(0.5, 1.0) * min(high, low * 2.0 ** min(attempt, 16))
 
-    def _try(self, source: Source, permits: int, *, wait: bool) -> tuple[Permit | None,
-                                                                       float | None]:
+    def _try(
+        self, source: Source, permits: int, deadline: float | None, *, wait: bool
+    ) -> tuple[Permit | None, float | None]:
+        """One acquire statement (cut off at ``deadline`` plus grace; without a deadline, at
+        ``WAIT_CHUNK`` plus grace). Returns the permit, or None and when to try again
+        (None: on the next wake-up)."""
         holder = f"{self._owner}:{uuid.uuid4().hex}"
         stmt = _sql.semaphore_acquire(
             self._schema, self._name, self._limit, holder, permits, self._ttl, self._metadata,
@@ -671,19 +701,30 @@ class Semaphore:
         )
         sent = time.monotonic()
         self._attempts += 1
+        cut_off = (sent + WAIT_CHUNK if deadline is None else deadline) + ANSWER_GRACE
         try:
-            rows = _run(source, "acquire", self._schema, stmt)
+            rows = _run(source, "acquire", self._schema, stmt, cut_off)
+        except NoAnswer as exc:
+            logger.warning(
+                "acquiring semaphore %r got no answer in time (a permit it may have been "
+                "granted expires at its TTL): %s", self._name, exc,
+            )
+            return None, self._rng.uniform(0.005, 0.02)
         except psycopg.Error as exc:
             if exc.sqlstate == LIMIT_MISMATCH:
                 raise LimitMismatch(
                     self._name, limit=self._limit, stored_limit=self._stored_limit(source)
                 ) from exc
             raise
+        received = time.monotonic()
         granted, _max, held, retry_in = rows[0]
         if not granted:
             logger.debug("semaphore %r: %d of %d held, %d more do not fit", self._name, held,
                          self._limit, permits)
             return None, None if retry_in is None else float(retry_in)
+        if received >= sent + self._ttl:
+            self._give_back(source, holder, received - sent)
+            return None, self._rng.uniform(0.005, 0.02)
         permit = Permit(self, holder, permits, sent + self._ttl)
         with self._cond:
             self._held[holder] = permit
@@ -692,10 +733,30 @@ class Semaphore:
                      self._name, held, self._limit)
         return permit, None
 
+    def _give_back(self, source: Source, holder: str, took: float) -> None:
+        """A grant whose answer came after its client deadline (send time + ttl): never
+        believed; released now (best effort) so that it does not count until its TTL."""
+        logger.info(
+            "semaphore %r: a grant arrived %.3f s after the acquire was sent, past its ttl of "
+            "%g s, and is given back", self._name, took, self._ttl,
+        )
+        try:
+            _run(
+                source, "release", self._schema,
+                _sql.semaphore_release(self._schema, self._name, holder),
+                short_deadline(self._ttl),
+            )
+        except Exception as exc:
+            logger.info(
+                "giving back the late grant of semaphore %r failed (it expires at its TTL): %r",
+                self._name, exc,
+            )
+
     def _stored_limit(self, source: Source) -> int | None:
         try:
             rows = _run(
-                source, "info", self._schema, _sql.semaphore_info(self._schema, self._name)
+                source, "info", self._schema, _sql.semaphore_info(self._schema, self._name),
+                short_deadline(self._ttl),
             )
         except psycopg.Error:
             return None
@@ -722,6 +783,7 @@ class Semaphore:
             rows, again = _run_once_more(
                 self._src(), "release", self._schema,
                 _sql.semaphore_release(self._schema, self._name, permit.holder),
+                short_deadline(self._ttl),
             )
         finally:
             self._poke()  # local waiters try at once
@@ -772,25 +834,38 @@ class Semaphore:
                 continue
             sent = time.monotonic()
             try:
+                # An answer after the earliest deadline would come too late for that permit.
                 rows = _run(
                     self._src(), "extend", self._schema,
                     _sql.semaphore_extend(self._schema, self._name,
                                           [p.holder for p in live], self._ttl),
+                    max(sent + 0.05, min(p._deadline for p in live)),
                 )
             except Exception as exc:
                 logger.info("renewing %d permit(s) of semaphore %r failed, retrying: %r",
                             len(live), self._name, exc)
                 next_at = time.monotonic() + min(1.0, interval / 3)
                 continue
-            renewed = {r[0] for r in rows}
-            with self._cond:
-                for p in live:
-                    if p.holder in renewed:
-                        p._deadline = max(p._deadline, sent + self._ttl)
-                    elif not p._released and p._lost is None:
-                        p._lost = "the renewal found it expired (its holder paused too long)"
-                        logger.warning("semaphore %r: permit lost: %s", self._name, p._lost)
+            self._renewed(live, {r[0] for r in rows}, sent, time.monotonic())
             next_at = sent + interval
+
+    def _renewed(
+        self, live: list[Permit], renewed: set[str], sent: float, received: float
+    ) -> None:
+        """Apply a renewal's answer: a permit renewed moves its deadline on, unless the answer
+        came after its deadline (a late answer never brings a lost permit back)."""
+        with self._cond:
+            for p in live:
+                if p._released or p._lost is not None:
+                    continue
+                if p.holder not in renewed:
+                    p._lost = "the renewal found it expired (its holder paused too long)"
+                elif received >= p._deadline:
+                    p._lost = "a renewal's answer arrived after the permit's client deadline"
+                else:
+                    p._deadline = max(p._deadline, sent + self._ttl)
+                    continue
+                logger.warning("semaphore %r: permit lost: %s", self._name, p._lost)
 
 
 def semaphore(

@@ -8,20 +8,36 @@ SQLAlchemy ``Engine``, or of a few autocommit connections pglock keeps per DSN s
 connection (:meth:`Source.run_once_more`); its NOTIFY listeners open connections of their own
 (:func:`open_listening`). What the statements are, and how a failure reads, stays with the
 caller (``_lease.py``, ``_semaphore.py``).
+
+**Deadlines.** A statement may carry a client-side deadline (a ``time.monotonic()`` instant).
+A watchdog thread (:class:`_Watchdog`, one per process) shuts the socket of a statement still
+running at its deadline down, so that the blocked psycopg call returns at once with an
+``OperationalError`` even when the network is silent (no FIN, no RST: TCP would wait for
+minutes); the connection is then closed and never reused, and the caller gets
+:class:`NoAnswer`: the outcome of the statement is unknown. Connections that pglock opens
+itself (DSN sources, NOTIFY listeners) get ``connect_timeout`` and TCP keepalive parameters
+(:data:`CONNECT_DEFAULTS`) unless the DSN sets them, and a connect attempt is given up at the
+deadline too (it finishes in the background; a late connection is kept or closed).
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
+import getpass
+import heapq
+import itertools
 import logging
 import os
+import socket
 import threading
+import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.pq import TransactionStatus
 
 from . import _conn, _sql
@@ -38,6 +54,38 @@ _MIN_CHECKOUT = 0.05
 #: (each one pinged) before the statement is sent on the last one anyway.
 _MAX_PINGS = 32
 
+#: libpq parameters added to the connections pglock opens itself (DSN sources, NOTIFY
+#: listeners) unless the DSN (or the pool's ``kwargs``) sets them: a connect gives up after
+#: 10 s, and the kernel declares a silent peer dead within about 25 s on an idle connection
+#: (keepalives) and 30 s with data unacknowledged (``tcp_user_timeout``, milliseconds). A
+#: ``PGCONNECT_TIMEOUT`` environment variable is left to libpq. Statement deadlines do not
+#: depend on these: see :class:`_Watchdog`.
+CONNECT_DEFAULTS: Mapping[str, str] = {
+    "connect_timeout": "10",
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "30000",
+}
+#: How long the watchdog thread lingers without anything to watch before it exits.
+_WATCHDOG_IDLE = 30.0
+
+# Deadlines of the lease and semaphore statements (one policy for both; see docs/leases.md,
+# "Deadlines and a silent network").
+
+#: Seconds an acquire statement is given beyond its wait for its answer to arrive: past
+#: ``timeout + ANSWER_GRACE`` it is cut off (a silent network) and the acquire gives up.
+ANSWER_GRACE = 1.0
+#: The longest wait one acquire statement is given (``timeout=None`` waits in rounds of it,
+#: so that no statement is without a client-side deadline).
+WAIT_CHUNK = 30.0
+#: The deadline of a statement that waits for nothing (release, info, a given-back grant):
+#: the TTL, within these bounds (seconds). Past its TTL a lease or permit ends by itself.
+SHORT_DEADLINE = (1.0, 30.0)
+#: The longest a new NOTIFY listener takes to connect and LISTEN (seconds).
+LISTEN_DEADLINE = 10.0
+
 #: Statements sent, by kind (the lease statements "acquire", "extend", "extend_many",
 #: "release", "guard", ..., and "ping" for a source's liveness checks): for tests and benchmarks
 #: that count round trips.
@@ -51,17 +99,286 @@ def count(kind: str) -> None:
         statements[kind] += 1
 
 
+# --- deadlines -----------------------------------------------------------------------------------
+
+
+class NoAnswer(psycopg.OperationalError):
+    """A statement (or a connect) got no answer by its client-side deadline: pglock closed its
+    connection. Whether the statement ran on the server is unknown."""
+
+
+class _Watch:
+    """One armed deadline: the connection to cut off when it passes."""
+
+    __slots__ = ("armed", "conn", "deadline", "fired")
+
+    def __init__(self, conn: psycopg.Connection[Any], deadline: float) -> None:
+        self.conn = conn
+        self.deadline = deadline
+        self.armed = True
+        self.fired = False
+
+
+class _Watchdog:
+    """Cuts off statements still running at their deadline: one thread per process.
+
+    :meth:`arm` before a statement, :meth:`disarm` after it (both cheap: a heap push and a
+    flag under one lock). When a deadline passes while armed, the thread shuts the
+    connection's socket down (on a duplicate of its file descriptor, which it then closes):
+    the psycopg call blocked on it returns at once with an ``OperationalError``, whatever the
+    network does. Firing and disarming take the same lock, so a connection that was disarmed
+    (and may be back in a pool) is never touched.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._heap: list[tuple[float, int, _Watch]] = []
+        self._armed = 0
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, conn: psycopg.Connection[Any], deadline: float) -> _Watch:
+        watch = _Watch(conn, deadline)
+        with self._lock:
+            earliest = not self._heap or deadline < self._heap[0][0]
+            heapq.heappush(self._heap, (deadline, next(self._seq), watch))
+            self._armed += 1
+            if len(self._heap) > 4 * self._armed + 1024:
+                # Disarmed entries leave the heap lazily; drop them when they pile up.
+                self._heap = [e for e in self._heap if e[2].armed]
+                heapq.heapify(self._heap)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="pglock-statement-watchdog", daemon=True
+                )
+                self._thread.start()
+            elif earliest:
+                self._cond.notify()
+        return watch
+
+    def disarm(self, watch: _Watch) -> bool:
+        """Stop watching; True if the deadline had fired (the connection is cut off)."""
+        with self._lock:
+            if watch.armed:
+                watch.armed = False
+                self._armed -= 1
+            return watch.fired
+
+    def _run(self) -> None:
+        with self._lock:
+            while True:
+                heap = self._heap
+                while heap and not heap[0][2].armed:
+                    heapq.heappop(heap)
+                now = time.monotonic()
+                if not heap:
+                    if not self._cond.wait(_WATCHDOG_IDLE) and not self._heap:
+                        self._thread = None
+                        return
+                    continue
+                deadline, _, watch = heap[0]
+                if deadline > now:
+                    self._cond.wait(deadline - now)
+                    continue
+                heapq.heappop(heap)
+                watch.armed = False
+                watch.fired = True
+                self._armed -= 1
+                _cut_off(watch.conn)
+
+
+def _cut_off(conn: psycopg.Connection[Any]) -> None:
+    """Shut ``conn``'s socket down for both directions, without closing its descriptor (libpq
+    owns it): a blocked read returns end-of-file at once."""
+    try:
+        fd = conn.pgconn.socket
+    except Exception:  # closed meanwhile: nothing blocks on it
+        return
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return
+    try:
+        sock = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        logger.debug("shutting a connection's socket down failed", exc_info=True)
+    finally:
+        sock.close()
+    logger.debug("cut off a connection whose statement passed its deadline")
+
+
+_watchdog = _Watchdog()
+
+
+def short_deadline(ttl: float) -> float:
+    """The deadline of a statement that waits for nothing, sent now (:data:`SHORT_DEADLINE`)."""
+    low, high = SHORT_DEADLINE
+    return time.monotonic() + min(high, max(low, ttl))
+
+
+def listen_deadline(wait_deadline: float | None) -> float:
+    """When a new NOTIFY listener must be listening: within :data:`LISTEN_DEADLINE`, and
+    within the first waiter's own deadline plus :data:`ANSWER_GRACE`."""
+    limit = time.monotonic() + LISTEN_DEADLINE
+    return limit if wait_deadline is None else min(limit, wait_deadline + ANSWER_GRACE)
+
+
+def within(
+    conn: psycopg.Connection[Any],
+    deadline: float | None,
+    call: Callable[[], T],
+    what: str,
+) -> T:
+    """``call()`` (statements on ``conn``) cut off at ``deadline`` (a monotonic instant; None:
+    no deadline).
+
+    A call cut off raises :class:`NoAnswer` (its cause the psycopg error it ended with) and
+    leaves ``conn`` closed: its protocol state is unknown, so it is never reused. A call that
+    returned although the deadline fired as it did keeps its result; its connection is closed
+    all the same.
+
+    :param what: the statement, for the error message.
+    """
+    if deadline is None:
+        return call()
+    if time.monotonic() >= deadline:
+        raise NoAnswer(f"pglock: no time left to send {what} (its deadline had passed)")
+    watch = _watchdog.arm(conn, deadline)
+    try:
+        result = call()
+    except BaseException as exc:
+        if not _watchdog.disarm(watch):
+            raise
+        _close_quietly(conn)
+        if not isinstance(exc, Exception):
+            raise
+        raise NoAnswer(
+            f"pglock: {what} got no answer by its deadline; its connection was closed "
+            "(whether it ran on the server is unknown)"
+        ) from exc
+    if _watchdog.disarm(watch):
+        _close_quietly(conn)
+    return result
+
+
+def _close_quietly(conn: psycopg.Connection[Any]) -> None:
+    try:
+        conn.close()
+    except Exception:
+        logger.debug("closing a cut-off connection failed", exc_info=True)
+
+
+def connect_extra(conninfo: str, kwargs: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """The :data:`CONNECT_DEFAULTS` that neither ``conninfo`` nor ``kwargs`` set (nor, for
+    ``connect_timeout``, the ``PGCONNECT_TIMEOUT`` environment variable)."""
+    try:
+        given = set(conninfo_to_dict(conninfo))
+    except psycopg.ProgrammingError:
+        given = set()
+    if kwargs:
+        given |= {k for k, v in kwargs.items() if v is not None}
+    if os.environ.get("PGCONNECT_TIMEOUT"):
+        given.add("connect_timeout")
+    return {k: v for k, v in CONNECT_DEFAULTS.items() if k not in given}
+
+
+def connect_within(
+    connect: Callable[[], psycopg.Connection[Any]],
+    deadline: float | None,
+    late: Callable[[psycopg.Connection[Any]], None],
+) -> psycopg.Connection[Any]:
+    """``connect()``, given up at ``deadline``.
+
+    libpq's ``connect_timeout`` counts whole seconds (at least 2) per host; a waiter with less
+    time than that must not wait for it. With a deadline the connect runs in a thread of its
+    own: if it has not finished by then, :class:`NoAnswer` is raised and the connection, if
+    it comes later, goes to ``late`` (which keeps or closes it).
+    """
+    if deadline is None:
+        return connect()
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise NoAnswer("pglock: no time left to open a connection (its deadline had passed)")
+    lock = threading.Lock()
+    done = threading.Event()
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            conn = connect()
+        except BaseException as exc:
+            with lock:
+                box["error"] = exc
+            done.set()
+            return
+        with lock:
+            abandoned = box.get("abandoned", False)
+            if not abandoned:
+                box["conn"] = conn
+        done.set()
+        if abandoned:
+            late(conn)
+
+    threading.Thread(target=run, name="pglock-connect", daemon=True).start()
+    done.wait(left)
+    with lock:
+        if "conn" in box:
+            conn: psycopg.Connection[Any] = box["conn"]
+            return conn
+        if "error" in box:
+            error: BaseException = box["error"]
+            raise error
+        box["abandoned"] = True
+    raise NoAnswer(
+        f"pglock: opening a connection took longer than the {left:.2f} s left (it goes on in "
+        "the background)"
+    )
+
+
+def database_identity(params: Mapping[str, Any]) -> tuple[str, ...]:
+    """Which database libpq parameters name, as far as can be told without connecting: host
+    (or socket directory, or address), port and database name, with libpq's defaults and
+    environment variables. Two spellings of one server (``localhost`` and ``127.0.0.1``) give
+    two identities."""
+
+    def get(key: str, env: str) -> str:
+        value = params.get(key)
+        return str(value) if value not in (None, "") else os.environ.get(env, "")
+
+    host = get("host", "PGHOST") or get("hostaddr", "PGHOSTADDR")
+    port = get("port", "PGPORT") or "5432"
+    user = get("user", "PGUSER")
+    if not user:
+        try:
+            user = getpass.getuser()
+        except Exception:
+            user = ""
+    dbname = get("dbname", "PGDATABASE") or user
+    return ("database", host, port, dbname)
+
+
 class Source:
     """Where statements run: each one on a connection of its own, in autocommit.
 
     A subclass says how to check a connection out (:meth:`_checkout`) and back in;
     :meth:`run_once_more` is the one place a caller's statements are sent from.
+
+    :ivar key: this source (a pool, an engine, a DSN string) within the process.
+    :ivar database: the database it connects to, as far as can be told without connecting
+        (:func:`database_identity`; its ``key`` when it cannot be told).
     """
 
     kind = "?"
 
     def __init__(self, key: tuple[Any, ...]) -> None:
         self.key = key
+        self.database: tuple[Any, ...] = key
 
     def run_once_more(
         self,
@@ -69,6 +386,7 @@ class Source:
         user: str,
         kind: str,
         timeout: float | None = None,
+        deadline: float | None = None,
     ) -> tuple[T, bool]:
         """``execute(conn)`` on a connection of this source; return its result and whether it
         was sent a second time.
@@ -84,25 +402,36 @@ class Source:
             ``"semaphore"``); the warning goes to the ``pglock.<user>`` logger.
         :param kind: which statement (``"acquire"``, ``"release"``, ...).
         :param timeout: the longest wait for a pool connection (``None``: the pool's own).
+        :param deadline: a ``time.monotonic()`` instant by which the whole call (checkout,
+            statement, second attempt) is over: past it, :class:`NoAnswer` (a
+            ``psycopg.OperationalError``) is raised and the connection it was sent on is
+            closed; the statement may or may not have run. None: no deadline.
         """
-        conn, done = self._checkout(timeout, fresh=False)
+        what = f"the {user} statement {kind!r}"
+        conn, done = self._checkout(_checkout_wait(timeout, deadline), False, deadline)
         try:
-            return execute(conn), False
+            return within(conn, deadline, lambda: execute(conn), what), False
+        except NoAnswer:
+            raise
         except psycopg.OperationalError as exc:
             if not (conn.closed or conn.broken):
                 raise
             first: psycopg.OperationalError = exc
         finally:
             done()
+        if deadline is not None and time.monotonic() >= deadline:
+            raise NoAnswer(
+                f"pglock: {what} lost its connection and no time was left to send it again"
+            ) from first
         logging.getLogger(f"pglock.{user}").warning(
             "%s statement %r: the connection was lost (%s: %s); sending it once more on a "
             "new connection",
             user, kind, type(first).__name__, _first_line(first),
         )
         try:
-            conn, done = self._checkout(timeout, fresh=True)
+            conn, done = self._checkout(_checkout_wait(timeout, deadline), True, deadline)
             try:
-                return execute(conn), True
+                return within(conn, deadline, lambda: execute(conn), what), True
             finally:
                 done()
         except psycopg.Error as exc:
@@ -117,18 +446,31 @@ class Source:
             raise
 
     def _checkout(
-        self, timeout: float | None, *, fresh: bool
+        self, timeout: float | None, fresh: bool, deadline: float | None
     ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
         """A connection for one statement, and how to give it back (whatever its state).
 
         :param fresh: after a lost connection: idle connections of the source may be dead
             too, so hand out one that answered an empty statement (or a new one).
+        :param deadline: give up (:class:`NoAnswer`) when it passes, where the source allows
+            (a pool's checkout, a DSN source's connect, the pings).
         """
         raise NotImplementedError
 
-    def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        """A new autocommit connection of its own, and how to close it."""
+    def open_listener(
+        self, deadline: float | None = None
+    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+        """A new autocommit connection of its own, and how to close it (opened by
+        ``deadline`` where the source allows)."""
         raise NotImplementedError
+
+
+def _checkout_wait(timeout: float | None, deadline: float | None) -> float | None:
+    """The longest wait for a pool connection: ``timeout``, shortened to the deadline."""
+    if deadline is None:
+        return timeout
+    left = max(0.0, deadline - time.monotonic())
+    return left if timeout is None else min(timeout, left)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -158,15 +500,51 @@ def _alive(conn: psycopg.Connection[Any]) -> bool:
     return True
 
 
+def _alive_by(conn: psycopg.Connection[Any], deadline: float | None) -> bool:
+    """:func:`_alive`, cut off at ``deadline`` (then :class:`NoAnswer`)."""
+    return within(conn, deadline, lambda: _alive(conn), "a liveness check")
+
+
+def _identity_of(conninfo: object, kwargs: object) -> tuple[Any, ...] | None:
+    """:func:`database_identity` of a conninfo string and connect keyword arguments (None:
+    unknown, e.g. a callable conninfo, which is left uncalled)."""
+    if not isinstance(conninfo, str):
+        return None
+    names = ("host", "hostaddr", "port", "user", "dbname")
+    extra: tuple[tuple[str, str], ...] = ()
+    if isinstance(kwargs, Mapping):
+        extra = tuple(
+            (k, str(kwargs[k])) for k in names if kwargs.get(k) not in (None, "")
+        )
+    return _identity_cached(conninfo, extra)
+
+
+@functools.lru_cache(maxsize=256)
+def _identity_cached(
+    conninfo: str, extra: tuple[tuple[str, str], ...]
+) -> tuple[Any, ...] | None:
+    # Parsing a conninfo costs tens of microseconds; a source is made per lease handle.
+    try:
+        params: dict[str, Any] = dict(conninfo_to_dict(conninfo))
+    except psycopg.ProgrammingError:
+        return None
+    params.update(extra)
+    return database_identity(params)
+
+
 class PoolSource(Source):
     kind = "pool"
 
     def __init__(self, pool: Any) -> None:
         super().__init__(("pool", id(pool)))
         self.pool = pool
+        # A callable conninfo or kwargs is left uncalled: the identity is the pool itself.
+        identity = _identity_of(pool.conninfo, pool.kwargs)
+        if identity is not None:
+            self.database = identity
 
     def _checkout(
-        self, timeout: float | None, *, fresh: bool
+        self, timeout: float | None, fresh: bool, deadline: float | None
     ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
         pool = self.pool
         if timeout is not None:
@@ -181,7 +559,7 @@ class PoolSource(Source):
             if attempt == tries - 1:
                 break
             try:
-                if _alive(conn):
+                if _alive_by(conn, deadline):
                     break
             except BaseException:
                 pool.putconn(conn)
@@ -189,12 +567,17 @@ class PoolSource(Source):
             pool.putconn(conn)
         return conn, lambda: pool.putconn(conn)
 
-    def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+    def open_listener(
+        self, deadline: float | None = None
+    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
         pool = self.pool
         conninfo = pool.conninfo() if callable(pool.conninfo) else pool.conninfo
         kwargs = dict((pool.kwargs() if callable(pool.kwargs) else pool.kwargs) or {})
         kwargs["autocommit"] = True
-        conn = pool.connection_class.connect(conninfo, **kwargs)
+        kwargs.update(connect_extra(conninfo, kwargs))
+        conn = connect_within(
+            lambda: pool.connection_class.connect(conninfo, **kwargs), deadline, _close_quietly
+        )
         return conn, conn.close
 
 
@@ -204,10 +587,18 @@ class EngineSource(Source):
     def __init__(self, engine: Any) -> None:
         super().__init__(("engine", id(engine)))
         self.engine = engine
+        try:
+            params = engine.dialect.create_connect_args(engine.url)[1]
+        except Exception:
+            params = None
+        if isinstance(params, Mapping):
+            self.database = database_identity(params)
 
     def _checkout(
-        self, timeout: float | None, *, fresh: bool
+        self, timeout: float | None, fresh: bool, deadline: float | None
     ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+        # The engine's pool has its own checkout timeout and connect arguments: pglock cannot
+        # shorten them per call (the statements themselves keep their deadline).
         tries = 1
         if fresh:
             # Idle connections that may be dead, plus a new one.
@@ -220,7 +611,7 @@ class EngineSource(Source):
             if attempt == tries - 1:
                 break
             try:
-                if _alive(conn):
+                if _alive_by(conn, deadline):
                     break
             except BaseException:
                 _engine_checkin(raw, conn)
@@ -228,7 +619,9 @@ class EngineSource(Source):
             _engine_checkin(raw, conn)
         return conn, lambda: _engine_checkin(raw, conn)
 
-    def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+    def open_listener(
+        self, deadline: float | None = None
+    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
         raw = self.engine.raw_connection()
         # Read it before detach(): a detached fairy no longer exposes its driver connection
         # (SQLAlchemy 2.1 gives None).
@@ -236,7 +629,8 @@ class EngineSource(Source):
         raw.detach()  # ours from now on: the pool forgets it and opens another when needed
         try:
             if conn.info.transaction_status != TransactionStatus.IDLE:
-                conn.rollback()  # a new connection may be in the dialect's first transaction
+                # A new connection may be in the dialect's first transaction.
+                within(conn, deadline, conn.rollback, "a rollback")
             conn.autocommit = True
         except BaseException:
             conn.close()
@@ -251,17 +645,30 @@ def _engine_checkin(raw: Any, conn: psycopg.Connection[Any]) -> None:
 
 
 class DsnSource(Source):
-    """A few autocommit connections pglock opens for a DSN string, reused, closed at exit."""
+    """A few autocommit connections pglock opens for a DSN string, reused, closed at exit.
+
+    They get :data:`CONNECT_DEFAULTS` (connect timeout, TCP keepalives, ``tcp_user_timeout``)
+    where the DSN does not set them."""
 
     kind = "dsn"
 
     def __init__(self, dsn: str) -> None:
         super().__init__(("dsn", dsn))
         self.dsn = dsn
+        extra = connect_extra(dsn)
+        self.conninfo = make_conninfo(dsn, **extra) if extra else dsn
+        identity = _identity_of(dsn, None)
+        if identity is not None:
+            self.database = identity
         self._idle: list[psycopg.Connection[Any]] = []
         self._lock = threading.Lock()
 
-    def _get(self, *, fresh: bool = False) -> psycopg.Connection[Any]:
+    def _connect(self) -> psycopg.Connection[Any]:
+        return psycopg.connect(self.conninfo, autocommit=True)
+
+    def _get(
+        self, *, fresh: bool = False, deadline: float | None = None
+    ) -> psycopg.Connection[Any]:
         if fresh:
             # A connection was lost: the idle ones went the same way if the server restarted
             # or the network dropped. Close them all (cheap) and open a new one.
@@ -271,7 +678,8 @@ class DsnSource(Source):
                 conn = self._idle.pop()
                 if not (conn.closed or conn.broken):
                     return conn
-        return psycopg.connect(self.dsn, autocommit=True)
+        # Given up at the deadline, a connect that succeeds later joins the idle ones.
+        return connect_within(self._connect, deadline, self._put)
 
     def _put(self, conn: psycopg.Connection[Any]) -> None:
         healthy = not (conn.closed or conn.broken) and (
@@ -285,13 +693,15 @@ class DsnSource(Source):
         conn.close()
 
     def _checkout(
-        self, timeout: float | None, *, fresh: bool
+        self, timeout: float | None, fresh: bool, deadline: float | None
     ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        conn = self._get(fresh=fresh)
+        conn = self._get(fresh=fresh, deadline=deadline)
         return conn, lambda: self._put(conn)
 
-    def open_listener(self) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        conn = psycopg.connect(self.dsn, autocommit=True)
+    def open_listener(
+        self, deadline: float | None = None
+    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+        conn = connect_within(self._connect, deadline, _close_quietly)
         return conn, conn.close
 
     def close(self) -> None:
@@ -325,8 +735,9 @@ atexit.register(close_dsn_sources)
 
 def _after_fork_in_child() -> None:
     # Connections and locks do not survive a fork: the child opens its own.
-    global _dsn_lock, _stats_lock
+    global _dsn_lock, _stats_lock, _watchdog
     _dsn_lock = threading.Lock()
+    _watchdog = _Watchdog()  # its thread is the parent's
     _stats_lock = threading.Lock()
     _dsn_sources.clear()
 
@@ -387,12 +798,16 @@ def make_source(source: object, user: str) -> Source:
 
 
 def open_listening(
-    source: Source, channel: str
+    source: Source, channel: str, deadline: float | None = None
 ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-    """A new connection of ``source``'s own that LISTENs on ``channel``, and how to close it."""
-    conn, close = source.open_listener()
+    """A new connection of ``source``'s own that LISTENs on ``channel``, and how to close it.
+
+    :param deadline: a ``time.monotonic()`` instant by which the connection listens, or
+        :class:`NoAnswer` (the connect and the ``LISTEN`` are cut off then).
+    """
+    conn, close = source.open_listener(deadline)
     try:
-        _conn.fetch(conn, _sql.listen(channel))
+        within(conn, deadline, lambda: _conn.fetch(conn, _sql.listen(channel)), "LISTEN")
     except BaseException:
         close()
         raise

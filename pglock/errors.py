@@ -13,6 +13,8 @@
           │                              failed transaction, no transaction for a xact lock)
           ├── UnsupportedServer          a hot standby, or a connection pooler in between
           ├── LimitMismatch              also a ValueError: a semaphore's stored limit differs
+          ├── HolderInUse                another live lease handle of this process has the
+          │                              same holder id on the same lease
           └── SchemaNotInstalled         the lease schema is missing; the message gives the fix
 
 Bad arguments raise the builtins ``ValueError`` and ``TypeError`` before any SQL is sent.
@@ -168,6 +170,32 @@ class LimitMismatch(LockError, ValueError):
         )
 
 
+class HolderInUse(LockError):
+    """Another lease handle of this process, with the same holder id, is acquiring, holding or
+    releasing the same lease (same database, schema and name). Raised before any SQL.
+
+    The server re-enters a holder id that holds a lease, so two such handles would both be
+    granted, and the release of one would end the lease under the other. One holder id has
+    one live handle per lease in a process: release (or lose) the first one, or use another
+    holder id. ``resume=True`` takes a held lease over from the first handle instead (which
+    then reports it lost).
+
+    :ivar name: the lease name.
+    :ivar holder: the holder id.
+    :ivar schema: the pglock schema.
+    """
+
+    def __init__(self, name: str, *, holder: str, schema: str) -> None:
+        self.name = name
+        self.holder = holder
+        self.schema = schema
+        super().__init__(
+            f"lease {name!r} already has a live handle with holder id {holder!r} in this "
+            "process (acquiring, held or releasing): one holder id has one handle per lease; "
+            "release that handle first, or use another holder id"
+        )
+
+
 class SchemaNotInstalled(LockError):
     """The pglock schema (lease table and functions) is not installed in this database.
 
@@ -188,6 +216,7 @@ class SchemaNotInstalled(LockError):
 
 __all__ = [
     "DeadlockDetected",
+    "HolderInUse",
     "InvalidConnectionState",
     "LimitMismatch",
     "LockError",

@@ -2,8 +2,10 @@
 
 T02 killed lease holder (held until expiry, then a larger token), T03 terminated lease
 connections, T04 paused holder and fencing (guard) with its unfenced negative control, T12
-leases across restarts, T15 concurrent first acquire under every isolation level, T14 token
-sequence at its maximum (last: it exhausts this cluster's sequence).
+leases across restarts, T15 concurrent first acquire under every isolation level, T10 a lease
+source whose network goes silent (the other sources' leases live on, the silent one is lost at
+its deadline; an acquire gives up after its timeout), T14 token sequence at its maximum (last:
+it exhausts this cluster's sequence).
 
 Assertions compare database-clock facts (``acquired_at`` vs the dead lease's ``expires_at``),
 never wall-clock durations; durations are only recorded as measured bounds.
@@ -26,6 +28,7 @@ import pglock
 from .cluster import Cluster
 from .conftest import Bounds
 from .procs import Holder, HolderError
+from .proxy import Proxy
 
 if not hasattr(pglock, "lease"):
     pytest.skip("pglock.lease is not there yet", allow_module_level=True)
@@ -317,6 +320,136 @@ def test_T28_search_path_hijack_is_harmless(
     finally:
         obs.execute("DROP TABLE IF EXISTS public.lease")
         obs.execute("DROP SEQUENCE IF EXISTS public.lease_token")
+
+
+# --- T10: a silent network (issue 11 items 7 and 9) -------------------------------------------
+
+
+def lease_row(obs: psycopg.Connection[Any], name: str) -> tuple[Any, ...] | None:
+    """(holder, token, expires_at, live?) of a lease row, on the database clock."""
+    return obs.execute(
+        "SELECT holder, token, expires_at, expires_at > clock_timestamp()"
+        " FROM pglock.lease WHERE name = %s",
+        (name,),
+    ).fetchone()
+
+
+def test_T10_a_silent_lease_source_delays_no_other_source(
+    leases_db: Cluster, app_name: str, name: str, obs: psycopg.Connection[Any], bounds: Bounds
+) -> None:
+    """Two lease sources, one through a proxy that goes silent (no FIN, no RST: the proxy's
+    kernel still acknowledges, so no TCP timeout fires), one direct. On main the single
+    keepalive thread hung in the silent source's renewal: the healthy source's lease expired
+    on the server and on_lost ran for neither. Now each source renews in its own worker: the
+    healthy lease stays held with the same token, its expiry moving on, for several TTLs; the
+    silent lease is declared lost at its client deadline (on_lost, check() raises LockLost)
+    although its renewal never returns."""
+    ttl = 1.5
+    lost_at: list[float] = []
+    lost = threading.Event()
+    healthy_lost: list[pglock.Lease] = []
+
+    def on_lost(_lease: pglock.Lease) -> None:
+        lost_at.append(time.monotonic())
+        lost.set()
+
+    with Proxy(leases_db.port) as proxy:
+        silent_dsn = leases_db.dsn(port=proxy.port, application_name=app_name)
+        healthy_dsn = leases_db.dsn(application_name=app_name)
+        silent = pglock.lease(silent_dsn, f"{name}:silent", ttl=ttl, on_lost=on_lost)
+        healthy = pglock.lease(healthy_dsn, f"{name}:healthy", ttl=ttl, on_lost=healthy_lost.append)
+        assert silent.acquire(timeout=5) and healthy.acquire(timeout=5)
+        proxy.set_mode("blackhole")
+        cut = time.monotonic()
+        first = lease_row(obs, f"{name}:healthy")
+        assert first is not None and first[:2] == (healthy.holder, healthy.token)
+        seen = [first[2]]
+        while time.monotonic() < cut + 3 * ttl:  # bounded: three TTLs
+            row = lease_row(obs, f"{name}:healthy")
+            assert row is not None and row[:2] == (healthy.holder, healthy.token), row
+            assert row[3] is True, f"the healthy source's lease expired on the server: {row}"
+            if row[2] != seen[-1]:
+                seen.append(row[2])
+            time.sleep(0.1)
+        assert len(seen) >= 4 and seen == sorted(seen)  # renewed about every ttl/3
+        assert lost.wait(10), "on_lost never ran for the silent source's lease"
+        with pytest.raises(pglock.LockLost):
+            silent.check()
+        assert silent.lost and not silent.locked
+        assert healthy_lost == [] and healthy.locked
+        healthy.check()
+        deadline = silent._deadline
+        assert lost_at[0] >= deadline  # never before its deadline
+        bounds.record(
+            "T10", "lease", "silent source: on_lost after the lease's client deadline (ttl 1.5 s)",
+            lost_at[0] - deadline,
+        )
+        healthy.release()
+        # The release into the silent network gets no answer: an error, within its bound.
+        t0 = time.monotonic()
+        with pytest.raises((pglock.LockLost, psycopg.OperationalError)):
+            silent.release()
+        bounds.record(
+            "T10", "lease", "release into a silent network gave up (ttl 1.5 s)",
+            time.monotonic() - t0,
+        )
+    assert lease_row(obs, f"{name}:healthy") is None
+
+
+@pytest.mark.parametrize("warm", [True, False], ids=["idle-connection", "new-connection"])
+@pytest.mark.parametrize("timeout", [1.0, 0.0], ids=["timeout=1", "timeout=0"])
+def test_T10_acquire_into_a_silent_network_gives_up_after_its_timeout(
+    timeout: float,
+    warm: bool,
+    leases_db: Cluster,
+    app_name: str,
+    name: str,
+    obs: psycopg.Connection[Any],
+    bounds: Bounds,
+) -> None:
+    """``acquire(timeout=t)`` with a silent path to the database (on main it was still blocked
+    long after its timeout: no connect_timeout, no statement deadline). It returns False once
+    ``t`` plus the answer grace has passed, through an idle connection of the source (the
+    statement is cut off) or a new one (the connect is given up); ``with`` raises
+    LockNotAcquired. Nothing was granted: the proxy forwarded nothing."""
+    with Proxy(leases_db.port) as proxy:
+        dsn = leases_db.dsn(port=proxy.port, application_name=app_name)
+        if warm:
+            assert pglock.lease_info(dsn, name) is None  # leaves an idle connection
+        proxy.set_mode("blackhole")
+        out: list[Any] = []
+        took: list[float] = []
+
+        def attempt() -> None:
+            t0 = time.monotonic()
+            try:
+                out.append(pglock.lease(dsn, name, ttl=5).acquire(timeout=timeout))
+            except BaseException as exc:
+                out.append(exc)
+            took.append(time.monotonic() - t0)
+
+        def enter() -> None:
+            try:
+                with pglock.lease(dsn, name, ttl=5, timeout=timeout):
+                    out.append("entered")
+            except BaseException as exc:
+                out.append(exc)
+
+        for target in (attempt, enter):
+            thread = threading.Thread(target=target, daemon=True)
+            thread.start()
+            thread.join(20)  # a generous bound: the measured figure is recorded below
+            assert not thread.is_alive(), "acquire() was still blocked 20 s later"
+        assert out[0] is False, out
+        assert isinstance(out[1], pglock.LockNotAcquired), out
+        assert "no answer" in str(out[1])
+        bounds.record(
+            "T10", "lease",
+            f"acquire(timeout={timeout:g}) into a silent network returned False "
+            f"({'idle' if warm else 'new'} connection)",
+            took[0],
+        )
+    assert pglock.lease_info(obs, name) is None
 
 
 # --- T14 (last: exhausts the sequence) ------------------------------------------------------

@@ -40,7 +40,7 @@ from test_lease_support import (
 )
 
 import pglock
-from pglock import _lease
+from pglock import _lease, _source
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -431,7 +431,7 @@ def test_one_winner_and_handoffs_under_any_default_isolation(
 _HANDOFF_PROCESS = """
 import json, sys, threading
 import pglock
-from pglock import _lease
+from pglock import _lease, _source
 dsn, name, threads, cycles = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 tokens, errors = [], []
 def work():
@@ -751,20 +751,265 @@ def test_extend_keeps_the_token_and_never_shortens(
 def test_same_holder_reacquire_keeps_the_token(
     pool: ConnectionPool[Any], admin: psycopg.Connection[Any], name: str
 ) -> None:
-    a = pglock.lease(pool, name, ttl=5, keepalive=False, metadata={"v": 1})
-    a.acquire()
-    again = pglock.lease(pool, name, ttl=5, holder=a.holder, metadata={"v": 2})
+    # The same holder id, from "another process" (a grant made in SQL): re-acquiring keeps
+    # the token and renews the lease. (Two live handles of one holder id in *one* process are
+    # refused: test_one_live_handle_per_holder_id_in_a_process.)
+    holder = f"re-{uuid.uuid4().hex[:8]}"
+    first = admin.execute(
+        "SELECT granted, token FROM pglock.acquire(%s, %s, 5, %s)",
+        (name, holder, json.dumps({"v": 1})),
+    ).fetchone()
+    assert first is not None and first[0] is True
+    again = pglock.lease(pool, name, ttl=5, holder=holder, metadata={"v": 2})
     assert again.acquire(timeout=0)
-    assert again.token == a.token
+    assert again.token == first[1]
     info = pglock.lease_info(admin, name)
-    assert info is not None and info.metadata == {"v": 2} and info.token == a.token
-    again.release()  # one holder id, one lease: the other handle no longer holds it
-    with pytest.raises(pglock.LockLost):
-        a.release()
+    assert info is not None and info.metadata == {"v": 2} and info.token == first[1]
+    again.release()  # one holder id, one lease: the SQL grant is released with it
+    assert row_of(admin, name) is None
     fresh = pglock.lease(pool, name, ttl=5)
     fresh.acquire(timeout=0)
-    assert fresh.token is not None and a.token is not None and fresh.token > a.token
+    assert fresh.token is not None and fresh.token > first[1]
     fresh.release()
+
+
+# --- issue 11 items 5 and 6: never a grant past its deadline, one handle per holder id -------
+
+
+def test_a_grant_that_arrives_past_its_client_deadline_is_given_back(
+    pool: ConnectionPool[Any], admin: psycopg.Connection[Any], name: str
+) -> None:
+    """A TTL shorter than any round trip: the grant's client deadline (send time + ttl) has
+    passed when its answer arrives. acquire() must not return True for it (on main it did,
+    with a handle that was lost at once): the grant is given back (its row deleted) and
+    acquire() returns False; ``with`` raises LockNotAcquired saying why."""
+    before = token_state(admin)
+    tiny = pglock.lease(pool, name, ttl=1e-4)
+    assert tiny.acquire(timeout=0) is False
+    assert not tiny.locked and not tiny.lost
+    assert token_state(admin) != before  # it was granted (a token was drawn) ...
+    assert row_of(admin, name) is None  # ... and given back
+    with (
+        pytest.raises(pglock.LockNotAcquired, match="given back"),
+        pglock.lease(pool, name, ttl=1e-4, timeout=0),
+    ):
+        pass
+    assert row_of(admin, name) is None
+    # A wait goes on after a late grant; with a usable TTL the same name is granted at once.
+    with pglock.lease(pool, name, ttl=5, timeout=0) as ok:
+        ok.check()
+
+
+def _wait_blocked_by(
+    admin: psycopg.Connection[Any], app_name: str, blocker: psycopg.Connection[Any]
+) -> list[tuple[Any, ...]]:
+    """Sessions of the test waiting for a lock that ``blocker`` holds (bounded wait)."""
+    rows: list[tuple[Any, ...]] = wait_until(
+        lambda: admin.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+            " AND wait_event_type = 'Lock' AND %s = ANY(pg_blocking_pids(pid))",
+            (app_name, blocker.info.backend_pid),
+        ).fetchall(),
+        10,
+    )
+    return rows
+
+
+def test_a_takeover_granted_after_waiting_longer_than_its_ttl_is_given_back_and_retried(
+    pool: ConnectionPool[Any], dsn: str, admin: psycopg.Connection[Any], app_name: str,
+    name: str,
+) -> None:
+    """A takeover that waited behind a guard()ing transaction for longer than its own TTL:
+    the server grants it only after the wait, so the answer arrives past the grant's client
+    deadline. On main acquire() returned True with the handle already lost (and another
+    holder could be granted one TTL later, while the caller ran its body). Now the late grant
+    is given back and the wait goes on: the acquire returns a grant it can believe, the one
+    drawn after the given-back one."""
+    old = pglock.lease(pool, name, ttl=0.3, keepalive=False)
+    old.acquire()
+    result: dict[str, Any] = {}
+
+    def take() -> None:
+        taker = pglock.lease(pool, name, ttl=0.5)
+        result["lease"] = taker
+        result["ok"] = taker.acquire(timeout=30)
+        result["locked"] = taker.locked  # at once, as the caller's body would start
+        result["token"] = taker.token
+
+    with psycopg.connect(dsn) as mine:
+        old.guard(mine)
+        sleep_until_expired(admin, name)
+        thread = threading.Thread(target=take)
+        thread.start()
+        assert _wait_blocked_by(admin, app_name, mine), backends(admin, app_name)
+        time.sleep(0.8)  # the takeover waits longer than its ttl of 0.5 s
+        drawn = token_state(admin)
+        mine.commit()
+    thread.join(20)
+    assert not thread.is_alive()
+    taker = result["lease"]
+    assert result["ok"] is True and result["locked"] is True
+    # The late grant drew the next token and was given back; the believed grant the one after.
+    assert drawn[1] is True and result["token"] == drawn[0] + 2
+    taker.check()
+    row = row_of(admin, name)
+    assert row is not None and (row[0], row[1]) == (taker.holder, taker.token)
+    taker.release()
+
+
+def test_an_extend_answered_after_the_deadline_does_not_resurrect_the_lease(
+    pool: ConnectionPool[Any], dsn: str, admin: psycopg.Connection[Any], app_name: str,
+    name: str,
+) -> None:
+    """The server keeps a lease a little longer than its holder believes in it (the client
+    counts from the send time). An extend() whose answer arrives in that gap, after the
+    client deadline, must raise LockLost, not return as if renewed (on main it returned while
+    check() said lost). The gap is made wide on purpose: a takeover that waited 0.7 s behind
+    a guard starts its server-side TTL 0.7 s after its client deadline started."""
+    old = pglock.lease(pool, name, ttl=0.3, keepalive=False)
+    old.acquire()
+    result: dict[str, Any] = {}
+
+    def take() -> None:
+        taker = pglock.lease(pool, name, ttl=1.5, keepalive=False)
+        result["ok"] = taker.acquire(timeout=30)
+        result["lease"] = taker
+
+    with psycopg.connect(dsn) as mine:
+        old.guard(mine)
+        sleep_until_expired(admin, name)
+        thread = threading.Thread(target=take)
+        thread.start()
+        assert _wait_blocked_by(admin, app_name, mine)
+        time.sleep(0.7)
+        mine.commit()
+    thread.join(20)
+    assert result["ok"] is True
+    lease: pglock.Lease = result["lease"]
+    outcome: dict[str, Any] = {}
+
+    def extend() -> None:
+        try:
+            lease.extend()
+            outcome["returned"] = True
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    with psycopg.connect(dsn) as blocker:
+        blocker.execute("SELECT 1 FROM pglock.lease WHERE name = %s FOR UPDATE", (name,))
+        thread = threading.Thread(target=extend)
+        thread.start()
+        assert _wait_blocked_by(admin, app_name, blocker)
+        # Let the client deadline pass while the row is still live on the server.
+        time.sleep(max(0.0, lease._deadline - time.monotonic()) + 0.15)
+        left = admin.execute(
+            "SELECT extract(epoch FROM expires_at - clock_timestamp())::float8"
+            " FROM pglock.lease WHERE name = %s",
+            (name,),
+        ).fetchone()
+        assert left is not None and left[0] > 0.1, left  # the gap this test needs
+        blocker.commit()
+    thread.join(20)
+    assert not thread.is_alive()
+    assert "returned" not in outcome, "extend() returned after the lease's deadline"
+    assert isinstance(outcome.get("error"), pglock.LockLost), outcome
+    assert lease.lost and not lease.locked
+    with pytest.raises(pglock.LockLost):
+        lease.check()
+    with pytest.raises(pglock.LockLost):
+        lease.extend()
+    lease.release()  # releases the row the late extend renewed (it says nothing was lost)
+
+
+def test_one_live_handle_per_holder_id_in_a_process(
+    pool: ConnectionPool[Any], dsn: str, admin: psycopg.Connection[Any], name: str
+) -> None:
+    """Two handles with the same holder id on one lease in one process would both be granted
+    (the server re-enters the holder), and releasing one would leave the other believing
+    while a third holder takes the lease (on main). The second handle is refused, before any
+    SQL, whatever the source spelling of the same database; once the first is released it may
+    go."""
+    a = pglock.lease(pool, name, ttl=5, holder="h")
+    assert a.acquire(timeout=0)
+    sent = dict(_lease.statements)
+    b = pglock.lease(dsn, name, ttl=5, holder="h")  # a DSN string to the same database
+    with pytest.raises(pglock.HolderInUse) as ei:
+        b.acquire(timeout=0)
+    assert isinstance(ei.value, pglock.LockError)
+    assert (ei.value.name, ei.value.holder) == (name, "h")
+    with pytest.raises(pglock.HolderInUse), pglock.lease(pool, name, holder="h", timeout=5):
+        pass
+    assert dict(_lease.statements) == sent  # refused before any SQL
+    assert not b.locked and a.locked
+    # Another name, schema or holder id is another lease.
+    with pglock.lease(pool, f"{name}:other", holder="h", timeout=0):
+        pass
+    with pglock.lease(pool, name, holder="h", schema="custom_leases", timeout=0):
+        pass
+    a.release()
+    assert b.acquire(timeout=0)
+    third = pglock.lease(pool, name, ttl=5)
+    assert third.acquire(timeout=0) is False  # b holds it, as its handle believes
+    b.release()
+    assert third.acquire(timeout=0)
+    third.release()
+
+
+def test_resume_takes_a_live_handle_over_and_the_old_handle_releases_nothing(
+    pool: ConnectionPool[Any], admin: psycopg.Connection[Any], name: str
+) -> None:
+    """resume=True in the process that holds the lease takes it over from the first handle,
+    which is then lost (on_lost runs) and whose release sends nothing: on main that release
+    deleted the row under the resumed handle, which still believed it held the lease."""
+    lost: list[pglock.Lease] = []
+    first = pglock.lease(pool, name, ttl=5, on_lost=lost.append)
+    first.acquire()
+    resumed = pglock.lease(pool, name, holder=first.holder, resume=True, ttl=5)
+    assert resumed.acquire()
+    assert resumed.token == first.token
+    assert lost == [first] and first.lost
+    with pytest.raises(pglock.LockLost):
+        first.release()
+    row = row_of(admin, name)
+    assert row is not None and (row[0], row[1]) == (resumed.holder, resumed.token)
+    resumed.check()
+    other = pglock.lease(pool, name, ttl=5)
+    assert other.acquire(timeout=0) is False
+    # The superseded handle cannot come back while the resumed one holds the lease.
+    with pytest.raises(pglock.HolderInUse):
+        first.acquire(timeout=0)
+    resumed.release()
+    assert row_of(admin, name) is None
+
+
+# --- issue 11 item 9: connections pglock opens get a connect timeout and TCP keepalives -----
+
+
+def test_dsn_source_connections_get_a_connect_timeout_and_keepalives(
+    dsn: str, name: str
+) -> None:
+    """Connections pglock opens itself for a DSN source (statements and the NOTIFY listener)
+    carry connect_timeout, keepalives and tcp_user_timeout unless the DSN sets them (on main
+    they had none: a silent network hung them for as long as TCP retransmits)."""
+    source = _lease.make_source(dsn)
+    conn = source.open_listener()[0]
+    try:
+        params = conn.info.get_parameters()
+    finally:
+        conn.close()
+    for key, value in _source.CONNECT_DEFAULTS.items():
+        assert params.get(key) == value, (key, params)
+
+    mine = make_conninfo(dsn, connect_timeout=3, keepalives_idle=42)
+    with pglock.lease(mine, name, ttl=5, timeout=0):
+        own = _lease.make_source(mine)
+        conn = own.open_listener()[0]
+        try:
+            params = conn.info.get_parameters()
+        finally:
+            conn.close()
+    assert params["connect_timeout"] == "3" and params["keepalives_idle"] == "42"
+    assert params["tcp_user_timeout"] == _source.CONNECT_DEFAULTS["tcp_user_timeout"]
 
 
 def test_on_lost_runs_and_a_warning_is_logged_when_the_keepalive_finds_it_gone(

@@ -575,3 +575,54 @@ if __name__ == "__main__" and len(sys.argv) > 1:
                 int(sys.argv[7]))
     elif sys.argv[1] == "holder":
         _holder(sys.argv[2], sys.argv[3], sys.argv[4])
+
+
+# --- issue 11 item 5: never a permit past its client deadline ----------------------------------
+
+
+def all_permit_rows(conn: psycopg.Connection[Any], schema: str, name: str) -> int:
+    row = conn.execute(sql.SQL("SELECT count(*) FROM {}.semaphore_permit WHERE semaphore = %s")
+                       .format(sql.Identifier(schema)), (name,)).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def test_a_permit_granted_past_its_client_deadline_is_given_back(
+    pool: ConnectionPool[Any], schema: str, name: str, conn: psycopg.Connection[Any],
+    dsn: str, app_name: str,
+) -> None:
+    """A grant whose answer arrives after its client deadline (send time + ttl) is never
+    believed: on main acquire() returned True with a permit already lost. A TTL shorter than
+    any round trip fails a try-once acquire and leaves no permit row; an acquire that waited
+    on the semaphore row for longer than its TTL gives the late permit back and goes on
+    waiting, and gets a permit it can believe."""
+    tiny = pglock.semaphore(pool, name, 2, ttl=1e-4, schema=schema)
+    assert tiny.acquire(timeout=0) is False
+    assert all_permit_rows(conn, schema, name) == 0  # granted, then given back
+
+    sem = pglock.semaphore(pool, name, 2, ttl=0.5, schema=schema)
+    result: dict[str, Any] = {}
+
+    def take() -> None:
+        with sem.hold(timeout=30) as permit:
+            result["held"] = permit.held  # at once, as the caller's body would start
+            result["holder"] = permit.holder
+            permit.check()
+            result["rows"] = [r[0] for r in permit_rows(conn_b, schema, name)]
+
+    with psycopg.connect(dsn) as blocker, psycopg.connect(dsn, autocommit=True) as conn_b:
+        blocker.execute(sql.SQL("SELECT 1 FROM {}.semaphore WHERE name = %s FOR UPDATE")
+                        .format(sql.Identifier(schema)), (name,))
+        thread = threading.Thread(target=take)
+        thread.start()
+        wait_until(lambda: conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = %s"
+            " AND wait_event_type = 'Lock' AND %s = ANY(pg_blocking_pids(pid))",
+            (app_name, blocker.info.backend_pid)).fetchall(), 10, "the acquire to wait")
+        time.sleep(0.8)  # longer than the ttl of 0.5 s
+        blocker.commit()
+        thread.join(20)
+    assert not thread.is_alive()
+    assert result["held"] is True
+    assert result["rows"] == [result["holder"]]  # the late permit was given back
+    assert all_permit_rows(conn, schema, name) == 0
