@@ -69,6 +69,7 @@ from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from . import _conn, _sql
+from ._classify import HELD, SOURCES, classify
 from ._keys import remaining as _remaining
 from ._keys import validate_flag, validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
@@ -292,13 +293,22 @@ def _execute(
         restore = True
     # Binary results for the keepalive's big batches (cheaper to parse).
     binary = kind == "extend_many"
+    state = _conn.state_for(conn)
     try:
         for attempt in range(_RETRIES + 1):
             _count(kind)
             try:
-                if attempt == 0:
+                if attempt == 0 and not state.session_timeouts:
                     return _conn.fetch(conn, query, params, binary=binary)[0]
                 return _execute_read_committed(conn, query, params, binary)
+            except (pg_errors.QueryCanceled, pg_errors.LockNotAvailable):
+                # The session's own statement_timeout or lock_timeout (ALTER ROLE app SET
+                # statement_timeout = '300ms') must not end a wait of pglock's: sent again with
+                # them off (LEASE_RETRY_BEGIN), and so from now on on this connection. With
+                # none set it was a cancel, which stands.
+                if attempt or state.session_timeouts or not _session_timeouts(conn):
+                    raise
+                state.session_timeouts = True
             except (pg_errors.SerializationFailure, pg_errors.DeadlockDetected) as exc:
                 # Under a REPEATABLE READ or SERIALIZABLE default isolation, concurrent lease
                 # statements fail this way (the functions are written for READ COMMITTED,
@@ -328,11 +338,19 @@ def _execute(
                 logger.debug("could not restore autocommit=False", exc_info=True)
 
 
+def _session_timeouts(conn: psycopg.Connection[Any]) -> bool:
+    """Does the session of ``conn`` (idle, autocommit) have a statement or lock timeout?"""
+    if conn.closed or conn.broken or conn.info.transaction_status != TransactionStatus.IDLE:
+        return False
+    return bool(_conn.fetch(conn, _sql.SESSION_TIMEOUTS)[0][0][0])
+
+
 def _execute_read_committed(
     conn: psycopg.Connection[Any], query: bytes, params: tuple[Any, ...], binary: bool
 ) -> list[tuple[Any, ...]]:
-    """``query`` in an explicit READ COMMITTED transaction on the autocommit ``conn``: three
-    round trips, only for a statement that already failed at the session's default level."""
+    """``query`` in an explicit READ COMMITTED transaction on the autocommit ``conn``, the
+    session's timeouts off: three round trips, only for a statement that already failed at the
+    session's default level, or on a session with timeouts of its own."""
     _count("retry_read_committed")
     _conn.fetch(conn, _retry_sql("begin"))
     try:
@@ -1497,7 +1515,7 @@ class Lease:
                 conn.execute("UPDATE accounts SET ... WHERE id = 1")
         """
         self._ensure_valid()
-        target = _conn.resolve(conn)
+        target = _conn.resolve(conn, "Lease.guard")
         pg = target.conn
         status = _conn.check_usable(pg)
         if status == TransactionStatus.IDLE and pg.autocommit:
@@ -1679,10 +1697,11 @@ def _query(
     target: object, kind: str, schema: str, params: tuple[Any, ...]
 ) -> list[tuple[Any, ...]]:
     """Run a read-only lease query on a source (pool, engine, DSN) or a caller's connection."""
-    if isinstance(target, str) or not _is_connection(target):
+    api = "lease_info" if kind == "info" else "list_leases"
+    if classify(target, HELD | SOURCES, api=api) not in HELD:
         deadline = time.monotonic() + SHORT_DEADLINE[1]
         return _run(make_source(target), kind, schema, params, deadline=deadline)
-    resolved = _conn.resolve(target)
+    resolved = _conn.resolve(target, api)
     pg = resolved.conn
     status = _conn.check_usable(pg)
     own = status == TransactionStatus.IDLE and not pg.autocommit
@@ -1699,17 +1718,6 @@ def _query(
     if own:
         pg.commit()  # leave an idle connection idle
     return rows
-
-
-def _is_connection(obj: object) -> bool:
-    if isinstance(obj, psycopg.Connection):
-        return True
-    mod = type(obj).__module__
-    if mod.startswith("sqlalchemy"):
-        from sqlalchemy.engine import Engine
-
-        return not isinstance(obj, Engine)
-    return False
 
 
 def _info(row: tuple[Any, ...]) -> LeaseInfo:

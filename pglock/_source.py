@@ -34,13 +34,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.pq import TransactionStatus
 
 from . import _conn, _sql
+from ._classify import HELD, SOURCES, Kind, check_driver, classify
 
 logger = logging.getLogger("pglock.source")
 
@@ -746,55 +747,35 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-_ACCEPTED = (
-    "a psycopg_pool.ConnectionPool, a SQLAlchemy Engine on the psycopg driver "
-    "(postgresql+psycopg://) or a DSN string"
-)
-
-
 def make_source(source: object, user: str) -> Source:
     """Resolve where a ``user`` (``"lease"``, ``"semaphore"``: named in the errors) runs its
     statements, without sending any SQL.
 
-    :raises TypeError: not a supported source.
+    :raises TypeError: not a pool, an Engine on the psycopg driver or a DSN string.
     :raises ValueError: an empty or unparsable DSN string.
     """
-    if isinstance(source, str):
-        if not source.strip():
-            raise ValueError("the DSN must not be empty")
-        try:
-            conninfo_to_dict(source)
-        except psycopg.ProgrammingError as exc:
-            raise ValueError(f"invalid DSN: {exc}") from None
-        with _dsn_lock:
-            found = _dsn_sources.get(source)
-            if found is None:
-                found = _dsn_sources[source] = DsnSource(source)
-            return found
-    from psycopg_pool import AsyncConnectionPool, ConnectionPool
-
-    if isinstance(source, ConnectionPool):
-        return PoolSource(source)
-    if isinstance(source, AsyncConnectionPool):
-        raise TypeError(f"pglock is synchronous: pass {_ACCEPTED}, not an AsyncConnectionPool")
-    own = f"a {user} runs its statements on connections of its own"
-    if isinstance(source, (psycopg.Connection, psycopg.AsyncConnection)):
-        raise TypeError(
-            f"{own}, never in the caller's transaction: pass {_ACCEPTED}, not a Connection"
-        )
-    if type(source).__module__.startswith("sqlalchemy"):
-        from sqlalchemy.engine import Engine
-
-        if isinstance(source, Engine):
-            _conn._check_dialect(source.dialect)
-            return EngineSource(source)
-        raise TypeError(
-            f"expected {_ACCEPTED}; got {type(source).__name__} ({own}: pass the Engine, not a "
-            "Connection or Session)"
-        )
-    raise TypeError(
-        f"expected {_ACCEPTED}; got {type(source).__module__}.{type(source).__qualname__}"
+    own = (
+        f"a {user} runs its statements on connections of its own, never in the caller's "
+        "transaction: pass the pool or Engine they come from, or a DSN"
     )
+    kind = classify(source, SOURCES, api=user, hints=dict.fromkeys(HELD, own))
+    if kind is Kind.POOL:
+        return PoolSource(source)
+    if kind is Kind.ENGINE:
+        check_driver(cast(Any, source).dialect)
+        return EngineSource(source)
+    dsn = cast(str, source)
+    if not dsn.strip():
+        raise ValueError("the DSN must not be empty")
+    try:
+        conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        raise ValueError(f"invalid DSN: {exc}") from None
+    with _dsn_lock:
+        found = _dsn_sources.get(dsn)
+        if found is None:
+            found = _dsn_sources[dsn] = DsnSource(dsn)
+        return found
 
 
 def open_listening(

@@ -478,6 +478,7 @@ def semaphore_acquire(
     ``synchronous_commit`` is off (the function turns it off for a refusal)."""
     return sql.SQL(
         "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL synchronous_commit = on; "
+        "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; "
         "SELECT granted, max_permits, held, retry_in FROM {s}.semaphore_acquire("
         "{name}::text, {limit}::integer, {holder}::text, {permits}::integer, {ttl}::float8, "
         "{metadata}::jsonb, {wait}::boolean); COMMIT"
@@ -499,6 +500,7 @@ def semaphore_extend(schema: str, name: str, holders: Sequence[str], ttl: float)
     sooner than its holder does."""
     return sql.SQL(
         "BEGIN; SET LOCAL synchronous_commit = on; "
+        "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; "
         "SELECT holder FROM {s}.semaphore_extend({name}::text, {holders}::text[], {ttl}::float8);"
         " COMMIT"
     ).format(
@@ -589,9 +591,14 @@ def lease_list(schema: str) -> sql.Composed:
 
 
 # A lease statement that failed with a serialization failure or a deadlock (possible under a
-# REPEATABLE READ or SERIALIZABLE default isolation) is sent again inside these: at READ
-# COMMITTED its row locks and reads see the latest commits, so it cannot fail that way again.
-LEASE_RETRY_BEGIN = sql.SQL("BEGIN ISOLATION LEVEL READ COMMITTED")
+# REPEATABLE READ or SERIALIZABLE default isolation), or that the session's own
+# statement_timeout or lock_timeout cut short, is sent again inside these: at READ COMMITTED its
+# row locks and reads see the latest commits, so it cannot fail that way again, and the
+# session's timeouts are off for it (the statement's client-side deadline bounds it instead).
+LEASE_RETRY_BEGIN = sql.SQL(
+    "BEGIN ISOLATION LEVEL READ COMMITTED;"
+    " SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0"
+)
 LEASE_RETRY_COMMIT = sql.SQL("COMMIT")
 LEASE_RETRY_ROLLBACK = sql.SQL("ROLLBACK")
 
