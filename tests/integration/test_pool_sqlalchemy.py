@@ -349,6 +349,35 @@ def test_negative_control_queue_pool_without_the_lock_loses_updates(
     assert v < acked, "the oracle found no lost update without a lock: it proves nothing"
 
 
+# --- issue 11: nesting the same name in one thread ---------------------------------------------
+
+
+@pytest.mark.parametrize("inner", ["pool_lock", "options_engine", "locked_session"])
+def test_nesting_the_same_name_through_the_engine_is_refused_at_once(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str, inner: str
+) -> None:
+    """Nested on the same engine's pool in one thread (also through an engine made by
+    execution_options(), which shares the pool, and locked_session): SelfDeadlock before
+    any checkout, instead of waiting for itself."""
+    engine = make_engine(size=2)
+
+    def nested() -> Any:
+        if inner == "pool_lock":
+            return pglock.pool_lock(engine, name, timeout=None)
+        if inner == "options_engine":
+            return pglock.pool_lock(engine.execution_options(logging_token="x"), name, timeout=2)
+        return pglock.sqlalchemy.locked_session(engine, name, timeout=2)
+
+    with pglock.sqlalchemy.locked_session(engine, name) as session:
+        pid = pid_of(session)
+        checked_out = engine.pool.checkedout()
+        with pytest.raises(pglock.SelfDeadlock), nested():
+            pytest.fail("the nested body ran")
+        assert engine.pool.checkedout() == checked_out  # no second connection was taken
+        assert advisory_held(other, pid) == [(pglock.key(name), "ExclusiveLock")]
+    assert advisory_held(other, pid) == []
+
+
 # --- locked_session ----------------------------------------------------------------------------
 
 
