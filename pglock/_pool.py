@@ -5,8 +5,9 @@ that borrowed it. Three pieces keep a lock from ever going back to a pool with i
 
 * :func:`pool_lock` checks a connection out, locks, yields it and releases before giving it
   back. When the release cannot be confirmed it closes the connection instead (psycopg_pool)
-  or invalidates it (SQLAlchemy): Postgres drops the locks of a closed session. A nested
-  block of a name the thread holds through the same pool is refused
+  or invalidates it (SQLAlchemy): Postgres drops the locks of a closed session. Locks that
+  pglock's bookkeeping still shows on the connection (left open in the body) are released
+  first; a nested block of a name the thread holds through the same pool is refused
   (:class:`pglock.SelfDeadlock`) instead of waiting for itself.
 * :func:`reset_connection` is the safety net for everything else (raw SQL, a ``pg_lock`` left
   open, a bug): as a psycopg_pool ``reset=`` callback, or through
@@ -31,7 +32,7 @@ from ._advisory import PgLock
 from ._conn import IDLE, INERROR, INTRANS
 from ._keys import normalize_names, validate_flag, validate_name, validate_timeout
 from ._schema import validate_schema
-from .errors import LockNotAcquired, SelfDeadlock, UnsupportedServer
+from .errors import LockError, LockNotAcquired, SelfDeadlock, UnsupportedServer
 
 if TYPE_CHECKING:
     from psycopg_pool import ConnectionPool
@@ -54,6 +55,17 @@ _SOURCES = (
 _RESET_LOST = (
     "the connection went back to its pool while the lock was held, and the pool's reset hook "
     "released every advisory lock on it"
+)
+
+_LEFTOVER_LOST = (
+    "it was still held when pool_lock {names!r} gave its connection back to the pool (taken "
+    "on that connection in the block and never released), so pglock released every advisory "
+    "lock of the session first"
+)
+
+_DISCARD_LOST = (
+    "pool_lock {names!r} discarded its connection (the release could not be confirmed), and "
+    "Postgres drops every lock of a closed session"
 )
 
 # What each thread holds through pool_lock (and Locker.lock, a pooled rwlock, a Locker's
@@ -119,13 +131,18 @@ def reset_connection(conn: psycopg.Connection[Any]) -> None:
 
 
 def release_all(
-    conn: psycopg.Connection[Any], *, source: str, end_own_transaction: bool
+    conn: psycopg.Connection[Any],
+    *,
+    source: str,
+    end_own_transaction: bool,
+    lost: str = _RESET_LOST,
 ) -> list[str]:
     """Drop every advisory lock held by ``conn``'s session and pglock's bookkeeping for it.
 
     Returns the leaked locks' descriptions (``"key"`` or ``"key shared"``). Shared by the
-    psycopg_pool hook and the SQLAlchemy reset listener."""
-    state = _conn.forget(conn, lost=_RESET_LOST)
+    psycopg_pool hook, the SQLAlchemy reset listener and :class:`PoolLock`'s exit; handles
+    that still believed they held a lock raise :class:`pglock.LockLost` with ``lost``."""
+    state = _conn.forget(conn, lost=lost)
     if end_own_transaction and not conn.autocommit:
         # One round trip instead of two (statement + COMMIT): flipping autocommit on an idle
         # connection is client-side only.
@@ -217,8 +234,9 @@ class PoolLock:
     takes the lock, and yields the connection; the exit finishes the body's transaction
     (commit on success, rollback if the body raised), releases the lock, and returns the
     connection. If the release cannot be confirmed the connection is discarded instead, so
-    Postgres drops whatever it held. A nested block of a name this thread already holds
-    through the same pool raises :class:`pglock.SelfDeadlock`.
+    Postgres drops whatever it held; locks left on it by other handles are released first.
+    A nested block of a name this thread already holds through the same pool raises
+    :class:`pglock.SelfDeadlock`.
 
     Thread safety: one ``with`` block at a time, in one thread. Create one per use (they are
     cheap: no I/O before ``__enter__``).
@@ -364,7 +382,15 @@ class PoolLock:
             discard = True
             errors.append(e)
         else:
-            discard = not _idle(kind, conn)
+            try:
+                discard = not _release_leftovers(kind, conn, self.names) or not _idle(kind, conn)
+            except BaseException as e:
+                discard = True
+                errors.append(e)
+        if discard:
+            raw = _raw(kind, conn)
+            if raw is not None:  # handles on it learn why, instead of "the connection closed"
+                _conn.forget(raw, lost=_DISCARD_LOST.format(names=self.names))
         try:
             _give_back(kind, source, conn, discard=discard)
         except BaseException as e:
@@ -407,14 +433,55 @@ def _end_transaction(kind: str, conn: Any, *, commit: bool) -> None:
                 raw.rollback()
 
 
-def _idle(kind: str, conn: Any) -> bool:
+def _raw(kind: str, conn: Any) -> psycopg.Connection[Any] | None:
+    """The open psycopg connection under what pool_lock yielded, or None if it is gone."""
     if kind == "psycopg_pool":
         raw: psycopg.Connection[Any] = conn
     else:
         if conn.invalidated or conn.closed:
-            return False
+            return None
         raw = _conn._driver_connection(conn)
-    if raw.closed or raw.broken:
+    return None if raw.closed or raw.broken else raw
+
+
+def _release_leftovers(kind: str, conn: Any, names: list[str]) -> bool:
+    """Make sure pglock's bookkeeping shows nothing held on a connection about to go back to
+    its pool.
+
+    The block's own lock is released by then; anything else recorded (a ``pg_lock`` taken on
+    the connection in the block and never released, a release deferred by a failed
+    transaction) is dropped by one statement that releases every advisory lock of the
+    session, with a WARNING, and the handles that still believed they held a lock are marked
+    lost. Returns False when that could not be done: the caller discards the connection."""
+    raw = _raw(kind, conn)
+    if raw is None:
+        return False
+    state = _conn.state_for(raw)
+    with state.cond:
+        leftover = bool(state.holds or state.deferred)
+    if not leftover:
+        return True  # the common case: no SQL
+    if raw.info.transaction_status != IDLE:
+        return False
+    try:
+        release_all(
+            raw,
+            source=f"pool_lock {names!r} (before giving its connection back to the pool)",
+            end_own_transaction=True,
+            lost=_LEFTOVER_LOST.format(names=names),
+        )
+    except (psycopg.Error, LockError):
+        logger.warning(
+            "pool_lock %r could not release the locks left on its connection", names,
+            exc_info=True,
+        )
+        return False
+    return True
+
+
+def _idle(kind: str, conn: Any) -> bool:
+    raw = _raw(kind, conn)
+    if raw is None:
         return False
     state = _conn.state_for(raw)
     with state.cond:
@@ -455,7 +522,11 @@ def pool_lock(
     the lock is released and the connection returned. When the release cannot be confirmed
     (the connection broke, the session no longer held the lock) the connection is closed
     (psycopg_pool) or invalidated (SQLAlchemy) instead: it never goes back to the pool holding
-    a lock. A release problem after the body raised is logged, never masks the body's error.
+    a lock. A lock that pglock's bookkeeping still shows on the connection after the release
+    (a ``pg_lock`` taken on it in the body and never released) is released with every
+    advisory lock of the session, with a WARNING, and its handle raises
+    :class:`pglock.LockLost`. A release problem after the body raised is logged, never masks
+    the body's error.
 
     Nesting: inside the block, take further locks on the yielded connection. A nested
     ``pool_lock`` (or ``Locker.lock``, a pooled ``rwlock``) of a name this thread already

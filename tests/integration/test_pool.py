@@ -365,7 +365,64 @@ def test_reset_connection_leaves_a_non_autocommit_connection_idle(
     assert advisory_held(other, conn.info.backend_pid) == []
 
 
-# --- issue 11: nesting the same name in one thread ---------------------------------------------
+# --- issue 11: bookkeeping left on the connection, nesting in one thread ---------------------
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["reset_hook", "no_reset_hook"])
+@pytest.mark.parametrize("inner", ["same_name", "other_name"])
+def test_lock_left_open_in_the_block_is_released_before_the_connection_goes_back(
+    make_pool: MakePool,
+    other: psycopg.Connection[Any],
+    name: str,
+    caplog: pytest.LogCaptureFixture,
+    inner: str,
+    hook: bool,
+) -> None:
+    """A pg_lock taken on the yielded connection and never released: pool_lock's exit sees
+    it in pglock's bookkeeping and releases it (with a WARNING) before the connection goes
+    back, whether or not the pool has a reset hook; the handle is marked lost. The pool gets
+    the same backend back, clean."""
+    pool = make_pool(**({} if hook else {"reset": None}))
+    inner_name = name if inner == "same_name" else f"{name}:inner"
+    with caplog.at_level(logging.WARNING, logger="pglock"):
+        with pglock.pool_lock(pool, name) as conn:
+            pid = conn.info.backend_pid
+            left = pglock.pg_lock(conn, inner_name)
+            assert left.acquire(timeout=0)  # re-entry (same name) or a second lock
+        # pool_lock itself released it: no reset hook has had to run yet.
+        assert advisory_held(other, pid) == []
+        assert not left.locked
+    with pytest.raises(pglock.LockLost, match="pool_lock"):
+        left.release()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(
+        "pool_lock" in m and str(pglock.key(inner_name)) in m for m in warnings
+    ), warnings
+    with pool.connection() as conn:
+        assert conn.info.backend_pid == pid  # released, not discarded
+        assert advisory_held(other, pid) == []
+        with pglock.pg_lock(conn, inner_name, timeout=0):  # fresh bookkeeping: a real lock
+            assert advisory_held(other, pid) == [(pglock.key(inner_name), "ExclusiveLock")]
+    assert advisory_held(other, pid) == []
+
+
+def test_release_deferred_in_the_block_is_done_before_the_connection_goes_back(
+    make_pool: MakePool, other: psycopg.Connection[Any], name: str
+) -> None:
+    """A pg_lock block in the body that ended in a failed transaction deferred its release:
+    pool_lock's exit does it (the connection is kept), so nothing goes back held."""
+    pool = make_pool(kwargs={"autocommit": False}, reset=None)
+    inner = f"{name}:inner"
+    with pglock.pool_lock(pool, name) as conn:
+        pid = conn.info.backend_pid
+        with pglock.pg_lock(conn, inner), pytest.raises(psycopg.errors.DivisionByZero):
+            conn.execute("SELECT 1/0")
+        assert advisory_held(other, pid) == sorted(
+            [(pglock.key(name), "ExclusiveLock"), (pglock.key(inner), "ExclusiveLock")]
+        )
+        conn.rollback()
+    assert advisory_held(other, pid) == []
+    assert backend_pid(pool) == pid
 
 
 @pytest.mark.parametrize("timeout", [None, 0, 2.0])
