@@ -558,6 +558,11 @@ def test_eight_threads_share_a_pool_of_four_with_mutual_exclusion(
     assert sorted(ids) == sorted(f"{i}-{r}" for i in range(8) for r in range(12))
     # nothing held anywhere in the pool, and every connection is back and reusable
     assert app_locks(other, app_name) == []
+    # psycopg_pool runs the reset hook, then makes the connection available, in its worker
+    # thread after putconn() has returned: wait (bounded) for the last ones to come back.
+    deadline = time.monotonic() + 5
+    while pool.get_stats()["pool_available"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
     stats = pool.get_stats()
     assert stats["pool_available"] == 4, stats
     assert stats.get("connections_lost", 0) == 0
