@@ -25,6 +25,7 @@ from .errors import (
     LockNotAcquired,
     LockTableFull,
     SchemaNotInstalled,
+    SelfDeadlock,
     UnsupportedServer,
 )
 
@@ -50,6 +51,7 @@ __all__ = [
     "PoolLock",
     "RWLock",
     "SchemaNotInstalled",
+    "SelfDeadlock",
     "Semaphore",
     "SemaphoreHolder",
     "SemaphoreInfo",
@@ -93,6 +95,7 @@ for _cls in (
     PoolLock,
     RWLock,
     SchemaNotInstalled,
+    SelfDeadlock,
     Semaphore,
     SemaphoreHolder,
     SemaphoreInfo,

@@ -8,7 +8,10 @@ advisory lock it already holds. So pglock arbitrates between threads itself: per
 key it records which threads hold the key (:class:`pglock._conn.KeyHold`). The session takes the
 key in Postgres once, for the first holder, and gives it back after the last one. A thread that
 already holds a key re-enters without any SQL (counted); another thread waits in-process, with
-the same timeout, before it ever reaches Postgres.
+the same timeout, before it ever reaches Postgres. Transaction locks are recorded per key too
+(:class:`pglock._conn.XactHold`), before any SQL: a second thread in the same transaction is
+refused, and a record that outlived its lock (a rolled-back savepoint) is checked in pg_locks
+before it refuses anyone (see "transaction-lock bookkeeping" below).
 
 Transactions. On an idle connection pglock runs its statements in its own short transaction
 (autocommit statements, or an implicit transaction it commits), so the connection stays idle.
@@ -33,14 +36,14 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 from psycopg import sql
 
 from . import _conn, _registry, _sql
-from ._conn import IDLE, INERROR, INTRANS, ConnState, Context, KeyHold, Target
+from ._conn import IDLE, INERROR, INTRANS, ConnState, Context, KeyHold, Target, XactHold
 from ._keys import deadline as _deadline
 from ._keys import normalize_names, validate_flag, validate_timeout
 from ._keys import remaining as _remaining
@@ -52,6 +55,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pglock.advisory")
 
 _DEFAULT: Any = object()
+_T = TypeVar("_T")
 
 
 def _ms(seconds: float) -> int:
@@ -169,7 +173,9 @@ class PgLock:
         :param timeout: seconds to wait; ``None`` waits forever; omitted uses the timeout given
             to :func:`pg_lock`.
         :raises RuntimeError: this handle already holds the lock.
-        :raises pglock.InvalidConnectionState: closed connection or failed transaction.
+        :raises pglock.InvalidConnectionState: closed connection or failed transaction, or
+            another thread holds the name as a transaction lock in the transaction open on
+            this connection (pglock cannot wait for it to end on the same connection).
         :raises pglock.DeadlockDetected: Postgres chose this request to break a deadlock.
         """
         validate_flag(blocking, "blocking")
@@ -296,9 +302,11 @@ def xact_lock(
     :param conn: a psycopg ``Connection`` in a transaction (or non-autocommit, where the
         statement begins one as any psycopg statement does), a SQLAlchemy ``Connection`` or an
         ORM ``Session`` (psycopg driver).
-    :raises pglock.LockNotAcquired: not acquired within ``timeout`` (``0``: held elsewhere).
+    :raises pglock.LockNotAcquired: not acquired within ``timeout`` (``0``: held elsewhere,
+        or by another thread's ``pg_lock`` on this connection, which is waited for in-process).
     :raises pglock.InvalidConnectionState: no transaction is open (autocommit), or the
-        transaction has failed, or another thread holds the name in this same transaction.
+        transaction has failed, or another thread holds (or is taking) the name in this same
+        transaction: threads sharing one transaction cannot exclude each other.
 
     Example::
 
@@ -337,19 +345,28 @@ def try_xact_lock(conn: object, names: str | Sequence[str], *, shared: bool = Fa
 
 
 def _reserve(
+    conn: psycopg.Connection[Any],
     state: ConnState,
     keys: Sequence[int],
     names: Sequence[str],
     me: threading.Thread,
     shared: bool,
     deadline: float | None,
+    *,
+    checked: bool = False,
 ) -> list[int] | None:
     """Wait until no other thread holds ``keys`` on this session in a conflicting mode, then
     record ``me`` as a holder. Returns the keys the session must still take from Postgres, or
-    None on timeout. All keys are granted together: a thread never waits while holding some."""
+    None on timeout. All keys are granted together: a thread never waits while holding some.
+
+    Another thread's transaction lock on a key in the transaction open on this connection
+    refuses at once (:func:`_xact_conflicts`: pglock cannot wait for that transaction to end
+    on the same connection)."""
     mode = "s" if shared else "x"
     with state.cond:
         while True:
+            if state.xact:
+                _xact_conflicts(conn, state, keys, names, me, checked)
             blocked = False
             for k, n in zip(keys, names, strict=True):
                 hold = state.holds.get(k)
@@ -427,7 +444,11 @@ def _acquire(
     state = _conn.state_for(conn)
     me = threading.current_thread()
     deadline = _deadline(timeout)
-    need = _reserve(state, keys, names, me, shared, deadline)
+    try:
+        need = _reserve(conn, state, keys, names, me, shared, deadline)
+    except _Recheck as recheck:
+        _drop_stale_xact(conn, state, recheck.records, Context(names, keys, timeout))
+        need = _reserve(conn, state, keys, names, me, shared, deadline, checked=True)
     if need is None:
         return False
     if not need:
@@ -686,20 +707,6 @@ def _xact_acquire(
     shared: bool,
     timeout: float | None,
 ) -> bool:
-    got = _xact_attempt(target, keys, names, shared=shared, timeout=timeout)
-    if got is _AGAIN:  # cut short by the session's own timeouts: once more, overriding them
-        got = _xact_attempt(target, keys, names, shared=shared, timeout=timeout)
-    return got is True
-
-
-def _xact_attempt(
-    target: Target,
-    keys: list[int],
-    names: list[str],
-    *,
-    shared: bool,
-    timeout: float | None,
-) -> bool | object:
     conn = target.conn
     status = _conn.check_usable(conn)
     if status == IDLE and conn.autocommit:
@@ -711,43 +718,287 @@ def _xact_attempt(
     _conn.ensure_sqlalchemy_transaction(target)
     state = _conn.state_for(conn)
     me = threading.current_thread()
-    if not state.probed or state.deferred:
-        _housekeeping(conn, state, Context(names, keys, timeout))
-
-    with state.cond:
-        foreign = {
-            k: started for k, (who, started) in state.xact.items() if k in keys and who is not me
-        }
-    if foreign:
-        now = _conn.run(conn, _sql.TRANSACTION_START)[0][0]
-        clash = [names[keys.index(k)] for k, started in foreign.items() if started == now]
-        if clash:
-            raise InvalidConnectionState(
-                f"another thread holds {clash[0]!r} in this same transaction on this "
-                "connection; threads sharing one transaction cannot exclude each other, so use "
-                "one connection per thread"
-            )
-
-    try_ = timeout == 0
     ctx = Context(names, keys, timeout)
+    if not state.probed or state.deferred:
+        _housekeeping(conn, state, ctx)
+    deadline = _deadline(timeout)
+    try:
+        prior = _xact_reserve(conn, state, keys, names, me, shared=shared, deadline=deadline)
+    except _Recheck as recheck:
+        _drop_stale_xact(conn, state, recheck.records, ctx)
+        prior = _xact_reserve(
+            conn, state, keys, names, me, shared=shared, deadline=deadline, checked=True
+        )
+    if prior is None:
+        return False  # another thread's pg_lock on this connection held a key until the deadline
+    started: Any = _UNKNOWN
+    try:
+        started = _xact_statement(
+            conn, state, keys, names, shared=shared, timeout=_remaining(deadline), ctx=ctx
+        )
+        if started is _AGAIN:  # cut short by the session's own timeouts: once more, overriding
+            started = _UNKNOWN
+            started = _xact_statement(
+                conn, state, keys, names, shared=shared, timeout=_remaining(deadline), ctx=ctx
+            )
+            if started is _AGAIN:
+                started = None
+    finally:
+        _xact_settle(state, keys, me, prior, started)
+    if started is None:
+        return False
+    logger.debug("acquired transaction lock %r", names)
+    return True
+
+
+# -- transaction-lock bookkeeping ------------------------------------------------------------
+#
+# Two threads sharing one connection share one Postgres session and, once a transaction is
+# open, one transaction: Postgres grants the second a transaction lock the first holds. pglock
+# records every transaction lock it takes (ConnState.xact) *before* sending any SQL, so the
+# second thread is refused; a failed attempt drops its reservation. A record can outlive its
+# lock (the transaction ended, or a rolled-back savepoint released the lock): before a record
+# makes pglock refuse anyone, pg_locks is asked (one query, on that conflict path only).
+
+_UNKNOWN: Any = object()
+
+
+class _Recheck(Exception):
+    """Another thread's settled transaction-lock records conflict: check them in pg_locks."""
+
+    def __init__(self, records: dict[int, XactHold]) -> None:
+        super().__init__("recheck")
+        self.records = records
+
+
+def _xact_refusal(name: str) -> InvalidConnectionState:
+    return InvalidConnectionState(
+        f"another thread holds {name!r} in this same transaction on this connection (as a "
+        "transaction lock, or is taking it now); threads sharing one transaction cannot "
+        "exclude each other, so use one connection per thread"
+    )
+
+
+def _xact_conflicts(
+    conn: psycopg.Connection[Any],
+    state: ConnState,
+    keys: Sequence[int],
+    names: Sequence[str],
+    me: threading.Thread,
+    checked: bool,
+) -> None:
+    """Under ``state.cond``: refuse, or ask for a pg_locks check, when another thread has a
+    transaction-lock record on one of ``keys``.
+
+    Records of a transaction that has ended are dropped here without SQL when the connection
+    is idle (read after the record was settled, so that transaction is over). A pending
+    record (another thread's statement in flight, in the transaction now open) refuses at
+    once, as does any conflicting record once pg_locks was checked (``checked``): it was made
+    since, in this transaction."""
+    foreign = {k: r for k in keys if (r := state.xact.get(k)) is not None and r.owner is not me}
+    if not foreign:
+        return
+    if conn.pgconn.transaction_status == IDLE:
+        for k, r in list(foreign.items()):
+            if not r.pending:
+                del state.xact[k]
+                del foreign[k]
+        if not foreign:
+            return
+    first = next(iter(foreign))
+    if checked or any(r.pending for r in foreign.values()):
+        raise _xact_refusal(names[list(keys).index(first)])
+    raise _Recheck(foreign)
+
+
+def _drop_stale_xact(
+    conn: psycopg.Connection[Any], state: ConnState, records: dict[int, XactHold], ctx: Context
+) -> None:
+    """Ask pg_locks whether the session still holds the keys of ``records`` (other threads'
+    transaction locks) in the transaction now open; forget the records that outlived their
+    lock, and refuse (InvalidConnectionState) for one that did not.
+
+    A key counts as still held when pg_locks shows it held by this session (in any mode; a
+    session lock on the same key is indistinguishable there, so the answer errs towards
+    refusing) and the record's transaction is the open one (or unknown)."""
+    keys = sorted(records)
+    status = _conn.check_usable(conn)
+    now: Any = None
+    held: set[int] = set()
+    if status != IDLE:  # no transaction open: every settled record is of an ended one
+        try:
+            rows = _conn.run(conn, _sql.held_in_transaction(keys), ctx)
+        except BaseException:
+            _undo_xact_attempt(conn)
+            raise
+        now, found = rows[0]
+        held = set(found or ())
+    with state.cond:
+        for k in keys:
+            record = records[k]
+            if state.xact.get(k) is not record:
+                continue  # changed meanwhile: judged again under the lock
+            if k in held and (record.started is None or record.started == now):
+                names = ctx.names
+                raise _xact_refusal(names[list(ctx.keys).index(k)])
+            del state.xact[k]
+            logger.debug("forgot a transaction-lock record that outlived its lock (key %d)", k)
+
+
+def _xact_reserve(
+    conn: psycopg.Connection[Any],
+    state: ConnState,
+    keys: Sequence[int],
+    names: Sequence[str],
+    me: threading.Thread,
+    *,
+    shared: bool,
+    deadline: float | None,
+    checked: bool = False,
+) -> dict[int, XactHold | None] | None:
+    """Record ``me`` as taking ``keys`` in the connection's transaction, before any SQL.
+
+    Waits first (in-process, until ``deadline``) while another thread holds one of the keys
+    as a session lock on this connection in a conflicting mode: Postgres would grant this
+    session the key at once. Returns the records it replaced (restored if the attempt fails),
+    or None at the deadline.
+
+    :raises InvalidConnectionState: another thread holds or is taking a key in this same
+        transaction.
+    :raises _Recheck: another thread's record conflicts and pg_locks must say if it is stale.
+    """
+    mode = "s" if shared else "x"
+    with state.cond:
+        while state.holds and _session_conflict(state, keys, me, mode):
+            remaining = _remaining(deadline)
+            if remaining == 0.0:
+                return None
+            state.cond.wait(remaining)
+        if state.xact:
+            _xact_conflicts(conn, state, keys, names, me, checked)
+        prior = {k: state.xact.get(k) for k in keys}
+        for k in keys:
+            state.xact[k] = XactHold(me, mode)
+        return prior
+
+
+def _session_conflict(
+    state: ConnState, keys: Sequence[int], me: threading.Thread, mode: str
+) -> bool:
+    """Under ``state.cond``: does another thread hold (or take, or give back) one of ``keys``
+    as a session lock on this connection, in a mode that excludes ``mode``?"""
+    for k in keys:
+        hold = state.holds.get(k)
+        if hold is None:
+            continue
+        if not hold.owners:
+            return True  # being released: the session holds it until the unlock has run
+        others = any(o is not me for o in hold.owners)
+        if others and (hold.mode == "x" or mode == "x"):
+            return True
+    return False
+
+
+def _xact_settle(
+    state: ConnState,
+    keys: Sequence[int],
+    me: threading.Thread,
+    prior: dict[int, XactHold | None],
+    started: Any,
+) -> None:
+    """Turn this attempt's reservations into records (granted), back into what they replaced
+    (not granted: ``started`` is None), or into records of unknown outcome (an unexpected
+    error or an interrupt: the lock may be held, so pg_locks decides when another thread
+    asks)."""
+    with state.cond:
+        mine = {k: r for k in keys if (r := state.xact.get(k)) is not None and r.owner is me}
+        if started is None:
+            for k in mine:
+                before = prior.get(k)
+                if before is None:
+                    del state.xact[k]
+                else:
+                    state.xact[k] = before
+            return
+        if started is not _UNKNOWN and len(state.xact) > len(mine):
+            # Records of other, ended transactions (the connection has one at a time).
+            for k in [
+                k for k, r in state.xact.items()
+                if not r.pending and r.started is not None and r.started != started
+            ]:
+                del state.xact[k]
+        for r in mine.values():
+            r.pending = False
+            r.started = None if started is _UNKNOWN else started
+
+
+def _xact_statement(
+    conn: psycopg.Connection[Any],
+    state: ConnState,
+    keys: list[int],
+    names: list[str],
+    *,
+    shared: bool,
+    timeout: float | None,
+    ctx: Context,
+) -> Any:
+    """Send the transaction-lock statement: the transaction's identity (its start) when
+    granted, None when not acquired in time, ``_AGAIN`` when the session's own timeouts cut a
+    wait without a timeout short (send it again). A failed attempt leaves the caller's
+    transaction as it was (pglock's savepoint is rolled back)."""
+    try_ = timeout == 0
     registering = _registry.pending(conn, state, keys, names)
     limit = _wait_limit(timeout, state)
     if limit is None and len(keys) == 1 and not registering:
         # The common case, in one pre-rendered round trip (see _sql.xact_one).
-        try:
-            rows = _conn.run(conn, _sql.xact_one(keys[0], shared=shared, try_=try_), ctx)
-        except BaseException as exc:
-            _undo_xact_attempt(conn)
-            if isinstance(exc, LockNotAcquired):
-                return _AGAIN if _cut_short(conn, state, timeout) else False
-            raise
+        stmt = _sql.xact_one(keys[0], shared=shared, try_=try_)
+        rows = _xact_run(conn, state, timeout, lambda: _conn.run(conn, stmt, ctx))
+        if rows is None or rows is _AGAIN:
+            return rows
         started, got = rows[0]
-        if try_ and not got:
-            return False
-        _record_xact(state, keys, me, started)
-        logger.debug("acquired transaction lock %r", names)
-        return True
+        return None if try_ and not got else started
+    started = _xact_batch(
+        conn, state, keys, shared=shared, timeout=timeout, limit=limit,
+        registering=registering, ctx=ctx,
+    )
+    if started is not None and started is not _AGAIN:
+        _registry.mark(conn, registering)
+    return started
 
+
+def _xact_run(
+    conn: psycopg.Connection[Any],
+    state: ConnState,
+    timeout: float | None,
+    send: Callable[[], _T],
+) -> _T | Any:
+    """``send()``; None when the lock was not acquired in time, ``_AGAIN`` when the session's
+    own timeouts cut the wait short. After any failure the caller's transaction is back as it
+    was before pglock's savepoint."""
+    try:
+        return send()
+    except BaseException as exc:
+        _undo_xact_attempt(conn)
+        if isinstance(exc, LockNotAcquired):
+            return _AGAIN if _cut_short(conn, state, timeout) else None
+        raise
+
+
+def _xact_batch(
+    conn: psycopg.Connection[Any],
+    state: ConnState,
+    keys: list[int],
+    *,
+    shared: bool,
+    timeout: float | None,
+    limit: int | None,
+    registering: Any,
+    ctx: Context,
+) -> Any:
+    """Several keys, a wait limit, or a name to register: the statement as a batch under
+    pglock's savepoint. The transaction's start when granted, None when not, ``_AGAIN`` to
+    send it again (see :func:`_xact_statement`)."""
+    try_ = timeout == 0
     parts: list[sql.Composable] = [_sql.savepoint()]
     if limit is not None:
         parts += [
@@ -762,17 +1013,14 @@ def _xact_attempt(
         parts.append(_sql.release_savepoint())
         if registering:
             parts.append(_registry.statement(registering))
-    try:
-        results = _conn.run_all(conn, sql.SQL("; ").join(parts), ctx)
-    except BaseException as exc:
-        _undo_xact_attempt(conn)
-        if isinstance(exc, LockNotAcquired):
-            return _AGAIN if _cut_short(conn, state, timeout) else False
-        raise
+    batch = sql.SQL("; ").join(parts)
+    results = _xact_run(conn, state, timeout, lambda: _conn.run_all(conn, batch, ctx))
+    if results is None or results is _AGAIN:
+        return results
     if try_ and not all(ok for _, ok in results[-1]):
         if not released:
             _conn.run(conn, _sql.rollback_to_savepoint())  # gives back the keys granted
-        return False
+        return None
     if not released:
         # The caller's timeouts first, still inside pglock's savepoint: should pglock's own
         # statement_timeout (several keys) cancel the restore, rolling back to the savepoint
@@ -784,17 +1032,11 @@ def _xact_attempt(
         tail.append(_sql.release_savepoint())
         if registering:
             tail.append(_registry.statement(registering))
-        try:
-            _conn.run(conn, sql.SQL("; ").join(tail), ctx)
-        except BaseException as exc:
-            _undo_xact_attempt(conn)
-            if isinstance(exc, LockNotAcquired):
-                return _AGAIN if _cut_short(conn, state, timeout) else False
-            raise
-    _registry.mark(conn, registering)
-    _record_xact(state, keys, me, results[-2][0][0])
-    logger.debug("acquired transaction lock %r", names)
-    return True
+        rest = sql.SQL("; ").join(tail)
+        done = _xact_run(conn, state, timeout, lambda: _conn.run(conn, rest, ctx))
+        if done is None or done is _AGAIN:
+            return done
+    return results[-2][0][0]
 
 
 def _undo_xact_attempt(conn: psycopg.Connection[Any]) -> None:
@@ -807,15 +1049,3 @@ def _undo_xact_attempt(conn: psycopg.Connection[Any]) -> None:
     except (psycopg.Error, LockError):
         # Never replace the error that made the attempt fail with one from the clean-up.
         logger.warning("could not roll back to pglock's savepoint", exc_info=True)
-
-
-def _record_xact(
-    state: ConnState, keys: Sequence[int], me: threading.Thread, started: Any
-) -> None:
-    """Note the keys this thread holds in the transaction that started at ``started``, and
-    forget those of transactions that have ended."""
-    with state.cond:
-        for k in [k for k, (_, s) in state.xact.items() if s != started]:
-            del state.xact[k]
-        for k in keys:
-            state.xact[k] = (me, started)

@@ -355,6 +355,25 @@ class KeyHold:
     pending: bool = True
 
 
+@dataclass
+class XactHold:
+    """One thread's transaction-level hold of one key on one session.
+
+    Recorded before any SQL (a reservation, ``pending``), so that a second thread sharing the
+    transaction is refused instead of being granted the key by Postgres as well; settled with
+    the transaction's identity once granted, dropped when the attempt fails.
+    """
+
+    owner: threading.Thread
+    mode: str = "x"  # "x" (exclusive) or "s" (shared)
+    #: True while the owner's statement is in flight.
+    pending: bool = True
+    #: The transaction that holds it (its ``transaction_timestamp()``), once granted; None
+    #: while pending, or after an attempt that ended in an unexpected error (the lock may or
+    #: may not be held: pg_locks decides when another thread asks).
+    started: Any = None
+
+
 class ConnState:
     """pglock's knowledge about one psycopg connection (one Postgres session)."""
 
@@ -368,8 +387,10 @@ class ConnState:
         self.backend_pid: int | None = None
         #: Session locks whose release could not be sent (failed transaction at exit).
         self.deferred: list[tuple[int, bool]] = []
-        #: Transaction locks: key -> (thread, start of the transaction that holds it).
-        self.xact: dict[int, tuple[threading.Thread, Any]] = {}
+        #: Transaction locks: key -> the thread holding (or taking) it, and in which
+        #: transaction. A record may outlive its lock (commit, rollback, a rolled-back
+        #: savepoint): pg_locks is asked before a record makes pglock refuse another thread.
+        self.xact: dict[int, XactHold] = {}
         #: A pooler (PgBouncer and the like) sits between this connection and Postgres: the
         #: server's pg_backend_pid() differs from the pid the connection announced at startup.
         self.pooler = False

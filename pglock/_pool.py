@@ -5,7 +5,10 @@ that borrowed it. Three pieces keep a lock from ever going back to a pool with i
 
 * :func:`pool_lock` checks a connection out, locks, yields it and releases before giving it
   back. When the release cannot be confirmed it closes the connection instead (psycopg_pool)
-  or invalidates it (SQLAlchemy): Postgres drops the locks of a closed session.
+  or invalidates it (SQLAlchemy): Postgres drops the locks of a closed session. Locks that
+  pglock's bookkeeping still shows on the connection (left open in the body) are released
+  first; a nested block of a name the thread holds through the same pool is refused
+  (:class:`pglock.SelfDeadlock`) instead of waiting for itself.
 * :func:`reset_connection` is the safety net for everything else (raw SQL, a ``pg_lock`` left
   open, a bug): as a psycopg_pool ``reset=`` callback, or through
   :func:`pglock.sqlalchemy.release_on_checkin`, it drops every advisory lock still held when
@@ -29,7 +32,7 @@ from ._advisory import PgLock
 from ._conn import IDLE, INERROR, INTRANS
 from ._keys import normalize_names, validate_flag, validate_name, validate_timeout
 from ._schema import validate_schema
-from .errors import LockNotAcquired, UnsupportedServer
+from .errors import LockError, LockNotAcquired, SelfDeadlock, UnsupportedServer
 
 if TYPE_CHECKING:
     from psycopg_pool import ConnectionPool
@@ -53,6 +56,37 @@ _RESET_LOST = (
     "the connection went back to its pool while the lock was held, and the pool's reset hook "
     "released every advisory lock on it"
 )
+
+_LEFTOVER_LOST = (
+    "it was still held when pool_lock {names!r} gave its connection back to the pool (taken "
+    "on that connection in the block and never released), so pglock released every advisory "
+    "lock of the session first"
+)
+
+_DISCARD_LOST = (
+    "pool_lock {names!r} discarded its connection (the release could not be confirmed), and "
+    "Postgres drops every lock of a closed session"
+)
+
+# What each thread holds through pool_lock (and Locker.lock, a pooled rwlock, a Locker's
+# singleton, locked_session), per pool: a set of (id of the pool, key). A nested request of
+# the same thread for one of these keys would check out *another* connection, another
+# session, which waits for this thread's own lock: for ever, since Postgres sees no deadlock
+# between two sessions (the cycle goes through the client). Such a request is refused at once.
+_pooled = threading.local()
+
+
+def _thread_marks() -> set[tuple[int, int]]:
+    marks: set[tuple[int, int]] | None = getattr(_pooled, "marks", None)
+    if marks is None:
+        marks = _pooled.marks = set()
+    return marks
+
+
+def _pool_id(kind: str, source: Any) -> int:
+    """The identity of the pool connections come from: an Engine's pool (engines made by
+    ``execution_options()`` share their parent's), or the psycopg_pool pool itself."""
+    return id(source.pool) if kind == "sqlalchemy" else id(source)
 
 
 # --- the reset hook ------------------------------------------------------------------------
@@ -97,13 +131,18 @@ def reset_connection(conn: psycopg.Connection[Any]) -> None:
 
 
 def release_all(
-    conn: psycopg.Connection[Any], *, source: str, end_own_transaction: bool
+    conn: psycopg.Connection[Any],
+    *,
+    source: str,
+    end_own_transaction: bool,
+    lost: str = _RESET_LOST,
 ) -> list[str]:
     """Drop every advisory lock held by ``conn``'s session and pglock's bookkeeping for it.
 
     Returns the leaked locks' descriptions (``"key"`` or ``"key shared"``). Shared by the
-    psycopg_pool hook and the SQLAlchemy reset listener."""
-    state = _conn.forget(conn, lost=_RESET_LOST)
+    psycopg_pool hook, the SQLAlchemy reset listener and :class:`PoolLock`'s exit; handles
+    that still believed they held a lock raise :class:`pglock.LockLost` with ``lost``."""
+    state = _conn.forget(conn, lost=lost)
     if end_own_transaction and not conn.autocommit:
         # One round trip instead of two (statement + COMMIT): flipping autocommit on an idle
         # connection is client-side only.
@@ -195,7 +234,9 @@ class PoolLock:
     takes the lock, and yields the connection; the exit finishes the body's transaction
     (commit on success, rollback if the body raised), releases the lock, and returns the
     connection. If the release cannot be confirmed the connection is discarded instead, so
-    Postgres drops whatever it held.
+    Postgres drops whatever it held; locks left on it by other handles are released first.
+    A nested block of a name this thread already holds through the same pool raises
+    :class:`pglock.SelfDeadlock`.
 
     Thread safety: one ``with`` block at a time, in one thread. Create one per use (they are
     cheap: no I/O before ``__enter__``).
@@ -217,6 +258,8 @@ class PoolLock:
         self._source: Any = None
         self._conn: Any = None  # what the body gets
         self._lock: PgLock | None = None
+        # This thread's record of pooled holds, and the marks this block added to it.
+        self._marks: tuple[set[tuple[int, int]], list[tuple[int, int]]] | None = None
 
     @classmethod
     def _deferred(
@@ -236,6 +279,7 @@ class PoolLock:
         self._kind = None
         self._get_source = get_source
         self._source = self._conn = self._lock = None
+        self._marks = None
         return self
 
     @property
@@ -267,6 +311,13 @@ class PoolLock:
             raise RuntimeError("this pool_lock is already in use; create one per with-block")
         source: Any = self._get_source()
         kind = self._kind or _classify(source)
+        marks = _thread_marks()
+        pool_id = _pool_id(kind, source)
+        for k, n in self._pairs:
+            if (pool_id, k) in marks:
+                # Before any checkout: with a pool of one connection the checkout itself
+                # would wait for the outer block's connection.
+                raise SelfDeadlock(n, key=k)
         deadline = None if self._timeout is None else time.monotonic() + self._timeout
         # An Engine waits for a connection up to its own pool_timeout.
         conn = self._checkout_psycopg(source) if kind == "psycopg_pool" else source.connect()
@@ -284,6 +335,9 @@ class PoolLock:
             raise self._not_acquired()
         self._source, self._conn, self._lock = source, conn, lock
         self._kind = kind
+        mine = [(pool_id, k) for k, _ in self._pairs]
+        marks.update(mine)
+        self._marks = (marks, mine)
         return conn
 
     def _checkout_psycopg(self, pool: Any) -> Any:
@@ -302,8 +356,18 @@ class PoolLock:
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         source, conn, lock, kind = self._source, self._conn, self._lock, self._kind
         self._source = self._conn = self._lock = None
-        if conn is None or lock is None or kind is None:
-            return
+        marks, self._marks = self._marks, None
+        try:
+            if conn is not None and lock is not None and kind is not None:
+                self._finish(source, conn, lock, kind, exc)
+        finally:
+            if marks is not None:  # the set of the thread that entered, whichever exits
+                marks[0].difference_update(marks[1])
+
+    def _finish(
+        self, source: Any, conn: Any, lock: PgLock, kind: str, exc: BaseException | None
+    ) -> None:
+        """End the body's transaction, release the lock, give the connection back clean."""
         body_ok = exc is None
         errors: list[BaseException] = []
         # Finish the body's transaction first, so its writes commit while the lock is held.
@@ -318,7 +382,15 @@ class PoolLock:
             discard = True
             errors.append(e)
         else:
-            discard = not _idle(kind, conn)
+            try:
+                discard = not _release_leftovers(kind, conn, self.names) or not _idle(kind, conn)
+            except BaseException as e:
+                discard = True
+                errors.append(e)
+        if discard:
+            raw = _raw(kind, conn)
+            if raw is not None:  # handles on it learn why, instead of "the connection closed"
+                _conn.forget(raw, lost=_DISCARD_LOST.format(names=self.names))
         try:
             _give_back(kind, source, conn, discard=discard)
         except BaseException as e:
@@ -361,14 +433,55 @@ def _end_transaction(kind: str, conn: Any, *, commit: bool) -> None:
                 raw.rollback()
 
 
-def _idle(kind: str, conn: Any) -> bool:
+def _raw(kind: str, conn: Any) -> psycopg.Connection[Any] | None:
+    """The open psycopg connection under what pool_lock yielded, or None if it is gone."""
     if kind == "psycopg_pool":
         raw: psycopg.Connection[Any] = conn
     else:
         if conn.invalidated or conn.closed:
-            return False
+            return None
         raw = _conn._driver_connection(conn)
-    if raw.closed or raw.broken:
+    return None if raw.closed or raw.broken else raw
+
+
+def _release_leftovers(kind: str, conn: Any, names: list[str]) -> bool:
+    """Make sure pglock's bookkeeping shows nothing held on a connection about to go back to
+    its pool.
+
+    The block's own lock is released by then; anything else recorded (a ``pg_lock`` taken on
+    the connection in the block and never released, a release deferred by a failed
+    transaction) is dropped by one statement that releases every advisory lock of the
+    session, with a WARNING, and the handles that still believed they held a lock are marked
+    lost. Returns False when that could not be done: the caller discards the connection."""
+    raw = _raw(kind, conn)
+    if raw is None:
+        return False
+    state = _conn.state_for(raw)
+    with state.cond:
+        leftover = bool(state.holds or state.deferred)
+    if not leftover:
+        return True  # the common case: no SQL
+    if raw.info.transaction_status != IDLE:
+        return False
+    try:
+        release_all(
+            raw,
+            source=f"pool_lock {names!r} (before giving its connection back to the pool)",
+            end_own_transaction=True,
+            lost=_LEFTOVER_LOST.format(names=names),
+        )
+    except (psycopg.Error, LockError):
+        logger.warning(
+            "pool_lock %r could not release the locks left on its connection", names,
+            exc_info=True,
+        )
+        return False
+    return True
+
+
+def _idle(kind: str, conn: Any) -> bool:
+    raw = _raw(kind, conn)
+    if raw is None:
         return False
     state = _conn.state_for(raw)
     with state.cond:
@@ -409,7 +522,17 @@ def pool_lock(
     the lock is released and the connection returned. When the release cannot be confirmed
     (the connection broke, the session no longer held the lock) the connection is closed
     (psycopg_pool) or invalidated (SQLAlchemy) instead: it never goes back to the pool holding
-    a lock. A release problem after the body raised is logged, never masks the body's error.
+    a lock. A lock that pglock's bookkeeping still shows on the connection after the release
+    (a ``pg_lock`` taken on it in the body and never released) is released with every
+    advisory lock of the session, with a WARNING, and its handle raises
+    :class:`pglock.LockLost`. A release problem after the body raised is logged, never masks
+    the body's error.
+
+    Nesting: inside the block, take further locks on the yielded connection. A nested
+    ``pool_lock`` (or ``Locker.lock``, a pooled ``rwlock``) of a name this thread already
+    holds through the same pool would wait for itself on another pooled connection: it raises
+    :class:`pglock.SelfDeadlock` at once, before any checkout or SQL, whatever its timeout
+    and mode. Other threads wait for each other as usual.
 
     :param pool_or_engine: a ``psycopg_pool.ConnectionPool`` (or ``NullConnectionPool``) or a
         SQLAlchemy ``Engine`` using the psycopg driver.
@@ -424,6 +547,8 @@ def pool_lock(
     :raises pglock.LockNotAcquired: not acquired within ``timeout`` (or, for a psycopg_pool
         pool and ``timeout > 0``, no connection within it).
     :raises pglock.UnsupportedServer: a hot standby, or a transaction-mode pooler in between.
+    :raises pglock.SelfDeadlock: this thread already holds one of the names through this
+        pool (at ``with``).
     :raises pglock.LockLost: at the exit, when the lock was found gone (the connection was
         discarded).
     :raises TypeError: not a supported pool, engine or driver; bad names or timeout.
@@ -619,6 +744,8 @@ class Locker:
 
         :param timeout: omitted: the Locker's default; see :func:`pool_lock`.
         :raises pglock.LockNotAcquired: not acquired in time (at ``with``).
+        :raises pglock.SelfDeadlock: this thread already holds one of the names through this
+            Locker's pool (at ``with``): use the connection the outer block yielded.
         :raises RuntimeError: the Locker is closed (at ``with``).
         """
         t = self._timeout if timeout is _DEFAULT else validate_timeout(timeout)
@@ -679,9 +806,7 @@ class Locker:
         """
         from ._rwlock import RWLock
 
-        return RWLock._for_locker(
-            self._connection_source, self.full_name(name), self._timeout, id(self)
-        )
+        return RWLock._for_locker(self._connection_source, self.full_name(name), self._timeout)
 
     def singleton(self, name: str, *, timeout: float | None = 0) -> Singleton:
         """A decorator running a job only where no other process runs it: see
@@ -696,7 +821,7 @@ class Locker:
         from ._rwlock import RWLock
         from ._singleton import Singleton
 
-        lock = RWLock._for_locker(self._connection_source, self.full_name(name), None, id(self))
+        lock = RWLock._for_locker(self._connection_source, self.full_name(name), None)
         return Singleton(lock, validate_timeout(timeout))
 
     def leader(

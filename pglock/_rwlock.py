@@ -10,7 +10,6 @@ writer waits does not overtake it, and a steady stream of readers cannot starve 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
@@ -21,7 +20,6 @@ from . import _pool
 from ._advisory import PgLock
 from ._keys import key, validate_name, validate_timeout
 from ._pool import PoolLock
-from .errors import LockError
 
 _DEFAULT: Any = object()
 
@@ -29,10 +27,6 @@ _ACCEPTED = (
     "a psycopg Connection, a SQLAlchemy Connection or Session (psycopg driver), "
     "a psycopg_pool.ConnectionPool or a SQLAlchemy Engine"
 )
-
-# (id of the pool/engine, key) pairs the current thread holds through pooled connections.
-_pooled_holds = threading.local()
-
 
 def _classify(source: object) -> str:
     """``"conn"`` (lock on this connection) or ``"pool"`` (check one out); no I/O."""
@@ -63,16 +57,10 @@ class _Hold:
     def __init__(
         self,
         factory: Callable[[bool, float | None], Any],
-        kind: str,
-        source_id: int,
-        name: str,
         shared: bool,
         timeout: float | None,
     ) -> None:
         self._factory = factory
-        self._kind = kind
-        self._mark = (source_id, key(name))
-        self._name = name
         self._shared = shared
         self._timeout = timeout
         self._stack: contextlib.ExitStack | None = None
@@ -80,21 +68,11 @@ class _Hold:
     def __enter__(self) -> Any:
         if self._stack is not None:
             raise RuntimeError("this lock block is already in use; create one per with-block")
-        held: set[tuple[int, int]] = _pooled_holds.__dict__.setdefault("marks", set())
-        if self._kind == "pool" and self._mark in held:
-            # Another pooled connection would be used: it would wait for this thread's own
-            # lock (for ever: Postgres sees no deadlock between two sessions of one thread).
-            raise LockError(
-                f"this thread already holds {self._name!r} through this pool: a nested read or "
-                "write would wait for itself on another pooled connection; take the lock once "
-                "(or use rwlock(conn, ...) on one connection, where re-entry is counted)"
-            )
+        # Nesting through a pool is refused by PoolLock itself (pglock.SelfDeadlock), with
+        # the record it shares with pool_lock and Locker.lock.
         stack = contextlib.ExitStack()
         with stack:
             conn = stack.enter_context(self._factory(self._shared, self._timeout))
-            if self._kind == "pool":
-                held.add(self._mark)
-                stack.callback(held.discard, self._mark)
             self._stack = stack.pop_all()
         return conn
 
@@ -119,8 +97,11 @@ class RWLock:
     Writers are not starved: Postgres queues a read request behind a waiting write request.
     On one connection, re-entry from a thread is counted (a read inside that thread's write is
     a re-entry); asking to write while the same thread reads raises :class:`pglock.LockError`
-    (no upgrade: two readers upgrading would deadlock). Through a pool, any nesting by the
-    same thread raises, since it would wait on itself.
+    (no upgrade: two readers upgrading would deadlock). Through a pool, any nesting of the
+    same name by the same thread (read or write, and with :func:`pool_lock` or
+    :meth:`Locker.lock` on the same pool) raises :class:`pglock.SelfDeadlock` at once, since
+    it would wait on itself on another pooled connection; use the connection the outer block
+    yielded instead.
 
     Thread safety: an ``RWLock`` may be shared by threads; each ``read()``/``write()`` call
     returns a block object for one ``with`` in one thread.
@@ -131,18 +112,16 @@ class RWLock:
         kind = _classify(source)
         self._name = name
         self._kind = kind
-        self._source_id = id(source)
         self._get_source: Callable[[], object] = lambda: source
         self._default_timeout: float | None = None
 
     @classmethod
     def _for_locker(
-        cls, get_source: Callable[[], object], name: str, timeout: float | None, source_id: int
+        cls, get_source: Callable[[], object], name: str, timeout: float | None
     ) -> RWLock:
         self = cls.__new__(cls)
         self._name = validate_name(name)
         self._kind = "pool"
-        self._source_id = source_id
         self._get_source = get_source
         self._default_timeout = timeout
         return self
@@ -179,7 +158,7 @@ class RWLock:
 
     def _hold(self, shared: bool, timeout: float | None) -> _Hold:
         t = self._default_timeout if timeout is _DEFAULT else validate_timeout(timeout)
-        return _Hold(self._factory, self._kind, self._source_id, self._name, shared, t)
+        return _Hold(self._factory, shared, t)
 
     @contextlib.contextmanager
     def _factory(self, shared: bool, timeout: float | None) -> Iterator[Any]:

@@ -191,6 +191,25 @@ def register_names(
 # thread must not be handed to another thread sharing the connection.
 TRANSACTION_START = sql.SQL("SELECT pg_catalog.transaction_timestamp()")
 
+
+def held_in_transaction(keys: Sequence[int]) -> sql.Composed:
+    """The current transaction's start, and which of ``keys`` this session holds (any mode).
+
+    Sent only when another thread's record of a transaction lock conflicts with a request on
+    the same connection (never on the uncontended path): the record may have outlived its lock
+    (a rolled-back savepoint releases the transaction locks taken inside it). Inside pglock's
+    savepoint, so a failure leaves the caller's transaction usable."""
+    return sql.SQL(
+        "SAVEPOINT {sp}; "
+        "SELECT pg_catalog.transaction_timestamp(), ARRAY("
+        "SELECT k FROM unnest({keys}) AS k WHERE EXISTS ("
+        " SELECT 1 FROM pg_catalog.pg_locks l"
+        " WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid()"
+        " AND l.granted AND l.objsubid = 1"
+        " AND ((l.classid::bigint << 32) | l.objid::bigint) = k)); "
+        "RELEASE SAVEPOINT {sp}"
+    ).format(sp=SAVEPOINT_NAME, keys=_keys_array(keys))
+
 # --- introspection (pglock._inspect) ---------------------------------------------------
 
 #: ``pglock status``'s header: the database, the server's clock and its version number.

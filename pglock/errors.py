@@ -8,6 +8,8 @@
           ├── LockLost                   a held lock or lease is gone (expired, taken over,
           │                              session ended, released behind pglock's back)
           ├── DeadlockDetected           Postgres broke a deadlock by failing this waiter (40P01)
+          ├── SelfDeadlock               this thread would wait for its own lock (nested through
+          │                              a pool): refused before any SQL
           ├── LockTableFull              Postgres's shared lock table is exhausted (53200)
           ├── InvalidConnectionState     the connection cannot take this lock now (closed,
           │                              failed transaction, no transaction for a xact lock)
@@ -106,6 +108,38 @@ class DeadlockDetected(LockError):
         self.name = name
         self.key = key
         super().__init__(f"deadlock detected while acquiring {_describe(name, key)}")
+
+
+class SelfDeadlock(LockError):
+    """This thread asked for a lock that it already holds through another connection of the
+    same pool, and would wait for itself for ever.
+
+    A nested ``pool_lock`` (or ``Locker.lock``, a pooled ``rwlock``) checks out *another*
+    connection, another Postgres session, which waits for the outer session's lock; the outer
+    block cannot end while its own thread waits, and Postgres sees no deadlock (the cycle goes
+    through the client). pglock refuses the nested request at once, before any SQL and
+    whatever its timeout. Reuse the connection the outer block yielded: ``pg_lock(conn, ...)``
+    on it re-enters, counted.
+
+    :ivar name: the lock name this thread already holds through the pool.
+    :ivar key: its 64-bit key.
+    """
+
+    def __init__(
+        self, name: str | None = None, *, key: int | None = None, message: str | None = None
+    ) -> None:
+        self.name = name
+        self.key = key
+        super().__init__(
+            message
+            or (
+                f"this thread already holds {_describe(name, key)} through this pool: a nested "
+                "lock would check out another connection (another Postgres session) and wait "
+                "for itself for ever; reuse the connection yielded by the outer block "
+                "(pglock.pg_lock(conn, ...) on it re-enters, counted) instead of nesting "
+                "through the pool"
+            )
+        )
 
 
 class LockTableFull(LockError):
@@ -224,5 +258,6 @@ __all__ = [
     "LockNotAcquired",
     "LockTableFull",
     "SchemaNotInstalled",
+    "SelfDeadlock",
     "UnsupportedServer",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ from _pgdb import sa_url
 import pglock
 
 from .oracles import holders as holders_of
-from .oracles import truth
+from .oracles import truth, wait_for
 
 pytest.importorskip("psycopg_pool")
 if not hasattr(pglock, "pool_lock"):
@@ -80,15 +81,24 @@ def test_T06_body_raises_inside_pool_lock(
     assert_no_phantom(pool, pid, name, connect(), observer)
 
 
+def slow_reset(conn: psycopg.Connection[Any]) -> None:
+    """pglock's reset hook, late: widens the window between putconn() returning and
+    psycopg_pool's worker thread running the hook, which the test must not assume closed."""
+    time.sleep(0.3)
+    pglock.reset_connection(conn)
+
+
+@pytest.mark.parametrize("reset", ["reset", "slow_reset"])
 @pytest.mark.parametrize("how", ["returned_holding", "handle_garbage_collected"])
 def test_T06_connection_returned_holding_is_reset(
     how: str,
+    reset: str,
     make_pool: Callable[..., ConnectionPool],
     connect: Connect,
     observer: Any,
     name: str,
 ) -> None:
-    pool = make_pool()
+    pool = make_pool(reset=pglock.reset_connection if reset == "reset" else slow_reset)
     a = pool.getconn()
     pid = a.info.backend_pid
     lock = pglock.pg_lock(a, name)
@@ -97,6 +107,9 @@ def test_T06_connection_returned_holding_is_reset(
         del lock
         gc.collect()
     pool.putconn(a)  # buggy user code: back to the pool still holding the lock
+    # psycopg_pool runs the reset hook in its worker thread after putconn() has returned:
+    # wait for it (bounded), then assert the state.
+    wait_for(lambda: truth(observer, pid) == {}, timeout=5.0, what="the pool's reset hook")
     assert_no_phantom(pool, pid, name, connect(), observer)
     if how == "returned_holding":
         with pytest.raises(pglock.LockLost):

@@ -284,6 +284,53 @@ def test_repr(pool: psycopg_pool.ConnectionPool[Any]) -> None:
     assert "unlocked" in repr(locker.lock("a"))
 
 
+# --- nesting in one thread (issue 11, item 12) ----------------------------------------------
+
+
+def nested_blocks(locker: pglock.Locker, name: str) -> dict[str, Callable[[], Any]]:
+    """Every way a Locker hands out a pooled hold of ``name``, as a context-manager factory."""
+    return {
+        "lock": lambda: locker.lock(name, timeout=None),
+        "lock_timeout": lambda: locker.lock(name, timeout=2),
+        "shared": lambda: locker.lock(name, shared=True),
+        "rwlock_read": lambda: locker.rwlock(name).read(),
+        "rwlock_write": lambda: locker.rwlock(name).write(timeout=2),
+    }
+
+
+@pytest.mark.parametrize("inner", ["lock", "lock_timeout", "shared", "rwlock_read", "rwlock_write"])
+@pytest.mark.parametrize("outer", ["lock", "rwlock_read"])
+def test_nesting_a_name_through_the_locker_is_refused_at_once(
+    pg_dsn: str,
+    app_name: str,
+    other: psycopg.Connection[Any],
+    ns: str,
+    outer: str,
+    inner: str,
+) -> None:
+    """``with locker.lock("x"): with locker.lock("x"):`` waited for itself for ever (the
+    inner block checks out another connection, another session). pglock refuses it before
+    any SQL with SelfDeadlock, whatever the timeout and mode, across lock() and rwlock()."""
+    locker = pglock.Locker(
+        pg_dsn, namespace=ns, pool_kwargs={"max_size": 2, "kwargs": {"application_name": app_name}}
+    )
+    try:
+        blocks = nested_blocks(locker, "x")
+        with blocks[outer]() as conn:
+            pid = conn.info.backend_pid
+            with pytest.raises(pglock.SelfDeadlock, match="wait for itself") as info, blocks[
+                inner
+            ]():
+                pytest.fail("the nested body ran")
+            assert info.value.name == f"{ns}:x"
+            assert holders(other, f"{ns}:x") == [pid]
+        assert holders(other, f"{ns}:x") == []
+        with locker.lock("x", timeout=0):  # free again once the outer block is left
+            pass
+    finally:
+        locker.close()
+
+
 # --- threads ----------------------------------------------------------------------------------
 
 

@@ -8,6 +8,8 @@ another session.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -111,14 +113,29 @@ def test_pool_lock_shared_and_several_names(
 ) -> None:
     pool = make_pool(size=2)
     a, b = f"test:{uuid.uuid4()}", f"test:{uuid.uuid4()}"
-    with pglock.pool_lock(pool, [a, b], shared=True) as c1, pglock.pool_lock(
-        pool, a, shared=True, timeout=1
-    ) as c2:
-        assert c1.info.backend_pid != c2.info.backend_pid
+    # The second shared holder is another thread: one thread nesting the same name through
+    # the pool is refused (SelfDeadlock), since under contention it waits for itself.
+    entered, leave = threading.Event(), threading.Event()
+    second: list[int] = []
+
+    def second_reader() -> None:
+        with pglock.pool_lock(pool, a, shared=True, timeout=1) as c2:
+            second.append(c2.info.backend_pid)
+            entered.set()
+            leave.wait(10)
+
+    with pglock.pool_lock(pool, [a, b], shared=True) as c1:
+        t = threading.Thread(target=second_reader)
+        t.start()
+        assert entered.wait(10)
+        assert c1.info.backend_pid != second[0]
         assert advisory_held(other, c1.info.backend_pid) == sorted(
             [(pglock.key(a), "ShareLock"), (pglock.key(b), "ShareLock")]
         )
+        assert advisory_held(other, second[0]) == [(pglock.key(a), "ShareLock")]
         assert not pglock.pg_lock(other, b).acquire(timeout=0)  # exclusive is refused
+        leave.set()
+        t.join(10)
     assert advisory_held(other, c1.info.backend_pid) == []
 
 
@@ -348,6 +365,141 @@ def test_reset_connection_leaves_a_non_autocommit_connection_idle(
     assert advisory_held(other, conn.info.backend_pid) == []
 
 
+# --- issue 11: bookkeeping left on the connection, nesting in one thread ---------------------
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["reset_hook", "no_reset_hook"])
+@pytest.mark.parametrize("inner", ["same_name", "other_name"])
+def test_lock_left_open_in_the_block_is_released_before_the_connection_goes_back(
+    make_pool: MakePool,
+    other: psycopg.Connection[Any],
+    name: str,
+    caplog: pytest.LogCaptureFixture,
+    inner: str,
+    hook: bool,
+) -> None:
+    """A pg_lock taken on the yielded connection and never released: pool_lock's exit sees
+    it in pglock's bookkeeping and releases it (with a WARNING) before the connection goes
+    back, whether or not the pool has a reset hook; the handle is marked lost. The pool gets
+    the same backend back, clean."""
+    pool = make_pool(**({} if hook else {"reset": None}))
+    inner_name = name if inner == "same_name" else f"{name}:inner"
+    with caplog.at_level(logging.WARNING, logger="pglock"):
+        with pglock.pool_lock(pool, name) as conn:
+            pid = conn.info.backend_pid
+            left = pglock.pg_lock(conn, inner_name)
+            assert left.acquire(timeout=0)  # re-entry (same name) or a second lock
+        # pool_lock itself released it: no reset hook has had to run yet.
+        assert advisory_held(other, pid) == []
+        assert not left.locked
+    with pytest.raises(pglock.LockLost, match="pool_lock"):
+        left.release()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(
+        "pool_lock" in m and str(pglock.key(inner_name)) in m for m in warnings
+    ), warnings
+    with pool.connection() as conn:
+        assert conn.info.backend_pid == pid  # released, not discarded
+        assert advisory_held(other, pid) == []
+        with pglock.pg_lock(conn, inner_name, timeout=0):  # fresh bookkeeping: a real lock
+            assert advisory_held(other, pid) == [(pglock.key(inner_name), "ExclusiveLock")]
+    assert advisory_held(other, pid) == []
+
+
+def test_release_deferred_in_the_block_is_done_before_the_connection_goes_back(
+    make_pool: MakePool, other: psycopg.Connection[Any], name: str
+) -> None:
+    """A pg_lock block in the body that ended in a failed transaction deferred its release:
+    pool_lock's exit does it (the connection is kept), so nothing goes back held."""
+    pool = make_pool(kwargs={"autocommit": False}, reset=None)
+    inner = f"{name}:inner"
+    with pglock.pool_lock(pool, name) as conn:
+        pid = conn.info.backend_pid
+        with pglock.pg_lock(conn, inner), pytest.raises(psycopg.errors.DivisionByZero):
+            conn.execute("SELECT 1/0")
+        assert advisory_held(other, pid) == sorted(
+            [(pglock.key(name), "ExclusiveLock"), (pglock.key(inner), "ExclusiveLock")]
+        )
+        conn.rollback()
+    assert advisory_held(other, pid) == []
+    assert backend_pid(pool) == pid
+
+
+@pytest.mark.parametrize("timeout", [None, 0, 2.0])
+@pytest.mark.parametrize("modes", [(False, False), (False, True), (True, False), (True, True)])
+def test_nesting_the_same_name_through_the_pool_is_refused_at_once(
+    make_pool: MakePool,
+    other: psycopg.Connection[Any],
+    name: str,
+    timeout: float | None,
+    modes: tuple[bool, bool],
+) -> None:
+    """Nested pool_lock on the same name in one thread: the inner block would check out
+    another connection and wait for the outer one's lock for ever. pglock refuses it before
+    any checkout or SQL, whatever the timeout (shared + shared too: it waits for itself as
+    soon as a writer queues in between)."""
+    outer_shared, inner_shared = modes
+    pool = make_pool(size=2)
+    with pglock.pool_lock(pool, name, shared=outer_shared) as conn:
+        pid = conn.info.backend_pid
+        before = pool.get_stats().get("requests_num", 0)
+        with pytest.raises(pglock.LockError, match="reuse the connection") as info, (
+            pglock.pool_lock(pool, [f"{name}:other", name], shared=inner_shared, timeout=timeout)
+        ):
+            pytest.fail("the nested body ran")
+        assert isinstance(info.value, pglock.SelfDeadlock)  # not LockNotAcquired after a wait
+        assert info.value.name == name and info.value.key == pglock.key(name)
+        assert pool.get_stats().get("requests_num", 0) == before  # no checkout was made
+        mode = "ShareLock" if outer_shared else "ExclusiveLock"
+        assert advisory_held(other, pid) == [(pglock.key(name), mode)]
+        # The advice works: the yielded connection re-enters.
+        with pglock.pg_lock(conn, name, shared=outer_shared, timeout=0):
+            pass
+    assert advisory_held(other, pid) == []
+    with pglock.pool_lock(pool, name, timeout=0), pglock.pool_lock(pool, f"{name}:x", timeout=0):
+        pass  # other names nest; and once left, the name is free again
+
+
+def test_two_threads_nesting_the_same_name_still_wait_for_each_other(
+    make_pool: MakePool, other: psycopg.Connection[Any], name: str
+) -> None:
+    """The self-deadlock record is per thread: another thread asking for the name held
+    through the same pool waits as before, and gets it once it is released."""
+    pool = make_pool(size=2)
+    got: list[int] = []
+    with pglock.pool_lock(pool, name) as conn:
+        waiter_error: list[BaseException] = []
+
+        def waiter() -> None:
+            try:
+                with pglock.pool_lock(pool, name, timeout=10) as c2:
+                    got.append(c2.info.backend_pid)
+            except BaseException as exc:
+                waiter_error.append(exc)
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        key = pglock.key(name)
+
+        def queued() -> bool:
+            row = other.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                " AND (classid::bigint << 32) | objid::bigint = %s",
+                (key,),
+            ).fetchone()
+            return bool(row and row[0])
+
+        deadline = time.monotonic() + 5  # bounded: until the waiter queues in Postgres
+        while not queued() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert queued()  # it waits in Postgres, it was not refused
+        assert advisory_held(other, conn.info.backend_pid) == [(key, "ExclusiveLock")]
+        assert got == []
+    t.join(10)
+    assert not waiter_error, waiter_error
+    assert len(got) == 1
+
+
 # --- bad input ---------------------------------------------------------------------------------
 
 
@@ -406,6 +558,11 @@ def test_eight_threads_share_a_pool_of_four_with_mutual_exclusion(
     assert sorted(ids) == sorted(f"{i}-{r}" for i in range(8) for r in range(12))
     # nothing held anywhere in the pool, and every connection is back and reusable
     assert app_locks(other, app_name) == []
+    # psycopg_pool runs the reset hook, then makes the connection available, in its worker
+    # thread after putconn() has returned: wait (bounded) for the last ones to come back.
+    deadline = time.monotonic() + 5
+    while pool.get_stats()["pool_available"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
     stats = pool.get_stats()
     assert stats["pool_available"] == 4, stats
     assert stats.get("connections_lost", 0) == 0

@@ -349,6 +349,72 @@ def test_negative_control_queue_pool_without_the_lock_loses_updates(
     assert v < acked, "the oracle found no lost update without a lock: it proves nothing"
 
 
+# --- issue 11: bookkeeping left on the connection, nesting in one thread ---------------------
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["release_on_checkin", "no_hook"])
+@pytest.mark.parametrize("inner", ["same_name", "other_name"])
+def test_lock_left_open_in_the_block_is_released_before_the_connection_goes_back(
+    make_engine: MakeEngine,
+    other: psycopg.Connection[Any],
+    name: str,
+    caplog: pytest.LogCaptureFixture,
+    inner: str,
+    hook: bool,
+) -> None:
+    """A pg_lock taken on the yielded SQLAlchemy connection and never released: pool_lock's
+    exit releases it (WARNING) before the connection goes back, with or without the checkin
+    hook, and marks the handle lost; the pool gets the same backend back, clean."""
+    engine = make_engine(hook=hook)
+    inner_name = name if inner == "same_name" else f"{name}:inner"
+    with caplog.at_level(logging.WARNING, logger="pglock"):
+        with pglock.pool_lock(engine, name) as conn:
+            pid = pid_of(conn)
+            left = pglock.pg_lock(conn, inner_name)
+            assert left.acquire(timeout=0)
+        assert advisory_held(other, pid) == []
+        assert not left.locked
+    with pytest.raises(pglock.LockLost, match="pool_lock"):
+        left.release()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(
+        "pool_lock" in m and str(pglock.key(inner_name)) in m for m in warnings
+    ), warnings
+    with engine.connect() as conn:
+        assert pid_of(conn) == pid  # released, not invalidated
+        assert advisory_held(other, pid) == []
+        with pglock.pg_lock(conn, inner_name, timeout=0):
+            assert advisory_held(other, pid) == [(pglock.key(inner_name), "ExclusiveLock")]
+        conn.rollback()
+    assert advisory_held(other, pid) == []
+
+
+@pytest.mark.parametrize("inner", ["pool_lock", "options_engine", "locked_session"])
+def test_nesting_the_same_name_through_the_engine_is_refused_at_once(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str, inner: str
+) -> None:
+    """Nested on the same engine's pool in one thread (also through an engine made by
+    execution_options(), which shares the pool, and locked_session): SelfDeadlock before
+    any checkout, instead of waiting for itself."""
+    engine = make_engine(size=2)
+
+    def nested() -> Any:
+        if inner == "pool_lock":
+            return pglock.pool_lock(engine, name, timeout=None)
+        if inner == "options_engine":
+            return pglock.pool_lock(engine.execution_options(logging_token="x"), name, timeout=2)
+        return pglock.sqlalchemy.locked_session(engine, name, timeout=2)
+
+    with pglock.sqlalchemy.locked_session(engine, name) as session:
+        pid = pid_of(session)
+        checked_out = engine.pool.checkedout()
+        with pytest.raises(pglock.SelfDeadlock), nested():
+            pytest.fail("the nested body ran")
+        assert engine.pool.checkedout() == checked_out  # no second connection was taken
+        assert advisory_held(other, pid) == [(pglock.key(name), "ExclusiveLock")]
+    assert advisory_held(other, pid) == []
+
+
 # --- locked_session ----------------------------------------------------------------------------
 
 

@@ -345,3 +345,110 @@ def test_slow_server_after_a_timed_grant_leaves_the_transaction_usable(
         c.execute(stalled_restore("0", "0"))
     assert c.info.transaction_status == TransactionStatus.INERROR
     c.rollback()
+
+
+# --- threads sharing one transaction (issue 11, items 4 and 13) --------------------------------
+
+
+def test_two_threads_racing_in_one_transaction_never_both_get_it(
+    connect: Connect, name: str
+) -> None:
+    """Two threads sharing one connection and its open transaction ask for the same name at
+    the same instant: at most one is granted, the other is refused (InvalidConnectionState).
+    pglock reserves the name in-process before any SQL; checking before the statement and
+    recording after it let both through in 10-60 % of the trials."""
+    c, obs = connect(autocommit=False), connect()
+    pid = c.info.backend_pid
+    for trial in range(200):
+        n = f"{name}:{trial}"
+        barrier = threading.Barrier(2)
+        outcomes: list[str] = []
+        errors: list[BaseException] = []
+
+        def contender(
+            n: str = n,
+            barrier: threading.Barrier = barrier,
+            outcomes: list[str] = outcomes,
+            errors: list[BaseException] = errors,
+        ) -> None:
+            try:
+                barrier.wait(10)
+                pglock.xact_lock(c, n, timeout=5)
+                outcomes.append("granted")
+            except pglock.InvalidConnectionState:
+                outcomes.append("refused")
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=contender) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert not any(t.is_alive() for t in threads)
+        assert not errors, errors
+        assert sorted(outcomes) == ["granted", "refused"], (trial, outcomes)
+        assert held(obs, pid) == [xk(n)]
+        c.commit()
+    assert held(obs, pid) == []
+
+
+def _in_thread(fn: Callable[[], object]) -> object:
+    """Run ``fn`` in another thread; its result, or the exception it raised."""
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(20)
+    assert not t.is_alive() and len(out) == 1
+    return out[0]
+
+
+@pytest.mark.parametrize("savepoint", ["sql", "psycopg_nested_transaction"])
+def test_savepoint_rollback_frees_the_name_for_another_thread(
+    connect: Connect, name: str, savepoint: str
+) -> None:
+    """A rolled-back savepoint releases the transaction locks taken inside it: another thread
+    in the same transaction may then take the name (pglock checks pg_locks before refusing,
+    and forgets the record that outlived its lock), and so may the first thread itself."""
+    c, obs = connect(autocommit=False), connect()
+    pid = c.info.backend_pid
+    c.execute("SELECT 1")
+
+    def in_savepoint(body: Callable[[], None]) -> None:
+        if savepoint == "sql":
+            c.execute("SAVEPOINT user_sp")
+            body()
+            c.execute("ROLLBACK TO SAVEPOINT user_sp")
+        else:
+            with c.transaction(force_rollback=True):  # SAVEPOINT ... ROLLBACK TO SAVEPOINT
+                body()
+
+    def held_and_refused_elsewhere() -> None:
+        pglock.xact_lock(c, name)
+        assert held(obs, pid) == [xk(name)]
+        # While it is held, another thread in the transaction is refused.
+        assert isinstance(
+            _in_thread(lambda: pglock.xact_lock(c, name)), pglock.InvalidConnectionState
+        )
+
+    in_savepoint(held_and_refused_elsewhere)
+    assert held(obs, pid) == []
+    # This thread's own re-take after the rollback...
+    in_savepoint(lambda: pglock.xact_lock(c, name, timeout=1))
+    assert held(obs, pid) == []
+    # ...and another thread's take: granted, not refused by a record that outlived its lock.
+    assert _in_thread(lambda: pglock.try_xact_lock(c, name)) is True
+    assert held(obs, pid) == [xk(name)]
+    # Now it is that thread's, held in this transaction: the first thread is refused.
+    with pytest.raises(pglock.InvalidConnectionState, match="same transaction"):
+        pglock.xact_lock(c, name, timeout=0)
+    assert c.info.transaction_status == INTRANS
+    c.commit()
+    assert held(obs, pid) == []

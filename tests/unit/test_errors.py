@@ -15,6 +15,7 @@ from pglock.errors import (
     LockNotAcquired,
     LockTableFull,
     SchemaNotInstalled,
+    SelfDeadlock,
     UnsupportedServer,
 )
 
@@ -65,6 +66,11 @@ SAMPLES: list[tuple[LockError, dict[str, object], str]] = [
         "the pglock schema 'pglock' is not installed",
     ),
     (SchemaNotInstalled("s", message="fix it"), {"schema": "s"}, "fix it"),
+    (
+        SelfDeadlock("job:1", key=pglock.key("job:1")),
+        {"name": "job:1", "key": pglock.key("job:1")},
+        "this thread already holds lock 'job:1' through this pool",
+    ),
 ]
 
 
@@ -105,6 +111,7 @@ def test_hierarchy() -> None:
         InvalidConnectionState,
         UnsupportedServer,
         SchemaNotInstalled,
+        SelfDeadlock,
     ):
         assert issubclass(cls, LockError)
         assert not issubclass(cls, TimeoutError)
