@@ -20,13 +20,14 @@ import psycopg
 class Kind(enum.Enum):
     """What a caller passed; the value is how an error names it."""
 
-    CONNECTION = "a psycopg Connection"
+    CONNECTION = "a psycopg.Connection"
     SA_CONNECTION = "a SQLAlchemy Connection"
     SESSION = "a SQLAlchemy ORM Session"
     POOL = "a psycopg_pool.ConnectionPool"
     ENGINE = "a SQLAlchemy Engine"
     DSN = "a connection string (DSN)"
     URL = "a SQLAlchemy URL"
+    SA_POOL = "a SQLAlchemy Pool"
 
 
 #: A connection the caller holds: locks taken on it live in its session.
@@ -82,12 +83,14 @@ def _sqlalchemy_kind(obj: object) -> Kind | None:
         raise _synchronous_only("SQLAlchemy Engine, Connection or Session")
     from sqlalchemy.engine import URL, Connection, Engine
     from sqlalchemy.orm import Session
+    from sqlalchemy.pool import Pool
 
     for cls, kind in (
         (Engine, Kind.ENGINE),
         (Connection, Kind.SA_CONNECTION),
         (Session, Kind.SESSION),
         (URL, Kind.URL),
+        (Pool, Kind.SA_POOL),
     ):
         if isinstance(obj, cls):
             return kind

@@ -100,9 +100,6 @@ def _resolve_session(session: Any) -> Target:
     return Target(_check_open(_driver_connection(session.connection())), session, "session")
 
 
-_check_dialect = check_driver  # until _pool and _source classify through pglock._classify
-
-
 def _driver_connection(sa_conn: Any) -> psycopg.Connection[Any]:
     raw = sa_conn.connection.driver_connection
     if not isinstance(raw, psycopg.Connection):

@@ -23,12 +23,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import psycopg
 
 from . import _conn, _sql
 from ._advisory import PgLock
+from ._classify import SOURCES, Kind, check_driver, classify
 from ._conn import IDLE, INERROR, INTRANS
 from ._keys import normalize_names, validate_flag, validate_name, validate_timeout
 from ._schema import validate_schema
@@ -46,11 +47,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pglock.pool")
 
 _DEFAULT: Any = object()
-
-_SOURCES = (
-    "a psycopg_pool.ConnectionPool or a SQLAlchemy Engine using the psycopg driver "
-    "(postgresql+psycopg://)"
-)
 
 _RESET_LOST = (
     "the connection went back to its pool while the lock was held, and the pool's reset hook "
@@ -116,10 +112,7 @@ def reset_connection(conn: psycopg.Connection[Any]) -> None:
 
         pool = psycopg_pool.ConnectionPool(dsn, reset=pglock.reset_connection, open=False)
     """
-    if not isinstance(conn, psycopg.Connection):
-        raise TypeError(
-            f"reset_connection expects a psycopg.Connection, not {type(conn).__name__}"
-        )
+    classify(conn, (Kind.CONNECTION,), api="reset_connection")
     if conn.closed or conn.broken:
         _conn.forget(conn, lost=_RESET_LOST)
         return
@@ -189,42 +182,22 @@ def _describe(key: int, shared: bool) -> str:
 # --- pool_lock -------------------------------------------------------------------------------
 
 
-def _classify(source: object) -> str:
+#: What to use instead, when pool_lock (or a Locker) gets something it cannot check out of.
+_USE_PG_LOCK = dict.fromkeys(
+    (Kind.CONNECTION, Kind.SA_CONNECTION, Kind.SESSION),
+    "pool_lock checks a connection out of a pool; for a connection you already hold use "
+    "pglock.pg_lock(connection, ...)",
+)
+_USE_PG_LOCK[Kind.DSN] = "use pglock.Locker(dsn), which keeps a pool for a DSN"
+
+
+def _classify(source: object, api: str = "pool_lock") -> str:
     """``"psycopg_pool"`` or ``"sqlalchemy"``; TypeError for anything else (no I/O)."""
-    mod = type(source).__module__
-    if mod.startswith("psycopg_pool"):
-        from psycopg_pool import ConnectionPool
-
-        if isinstance(source, ConnectionPool):
-            return "psycopg_pool"
-        raise TypeError(
-            f"pglock is synchronous: expected {_SOURCES}, not {type(source).__name__}"
-        )
-    if mod.startswith("sqlalchemy"):
-        from sqlalchemy.engine import Connection, Engine
-        from sqlalchemy.orm import Session
-
-        # Not "import sqlalchemy.ext.asyncio": without greenlet (optional since SQLAlchemy
-        # 2.1) it raises ImportError, and an async object exists only once it is loaded.
-        if mod.startswith("sqlalchemy.ext.asyncio"):
-            raise TypeError(
-                "pglock is synchronous: pass a sync SQLAlchemy Engine, "
-                f"not {type(source).__name__}"
-            )
-        if isinstance(source, (Connection, Session)):
-            raise TypeError(
-                f"pool_lock checks a connection out of a pool; for a {type(source).__name__} "
-                "you already hold use pglock.pg_lock(connection, ...)"
-            )
-        if isinstance(source, Engine):
-            _conn._check_dialect(source.dialect)
-            return "sqlalchemy"
-    if isinstance(source, (psycopg.Connection, psycopg.AsyncConnection)):
-        raise TypeError(
-            "pool_lock checks a connection out of a pool; for a connection you already hold "
-            "use pglock.pg_lock(conn, ...)"
-        )
-    raise TypeError(f"expected {_SOURCES}; got {mod}.{type(source).__qualname__}")
+    kind = classify(source, (Kind.POOL, Kind.ENGINE), api=api, hints=_USE_PG_LOCK)
+    if kind is Kind.POOL:
+        return "psycopg_pool"
+    check_driver(cast(Any, source).dialect)
+    return "sqlalchemy"
 
 
 class PoolLock:
@@ -624,12 +597,12 @@ class Locker:
         self._timeout = validate_timeout(timeout)
         self._dsn: str | None = None
         self._external: object = None
-        if isinstance(source, str):
-            if not source.strip():
+        if classify(source, SOURCES, api="Locker", hints=_USE_PG_LOCK) is Kind.DSN:
+            if not cast(str, source).strip():
                 raise ValueError("the DSN must not be empty")
-            self._dsn = source
+            self._dsn = cast(str, source)
         else:
-            _classify(source)
+            _classify(source, "Locker")
             self._external = source
             if pool_kwargs is not None:
                 raise TypeError(

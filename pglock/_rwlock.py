@@ -14,41 +14,29 @@ from collections.abc import Callable, Iterator
 from types import TracebackType
 from typing import Any
 
-import psycopg
-
 from . import _pool
 from ._advisory import PgLock
+from ._classify import HELD, Kind, classify
 from ._keys import key, validate_name, validate_timeout
 from ._pool import PoolLock
 
 _DEFAULT: Any = object()
 
-_ACCEPTED = (
-    "a psycopg Connection, a SQLAlchemy Connection or Session (psycopg driver), "
-    "a psycopg_pool.ConnectionPool or a SQLAlchemy Engine"
-)
-
 def _classify(source: object) -> str:
     """``"conn"`` (lock on this connection) or ``"pool"`` (check one out); no I/O."""
-    if isinstance(source, psycopg.Connection):
+    kind = classify(
+        source,
+        HELD | {Kind.POOL, Kind.ENGINE},
+        api="rwlock",
+        hints={
+            Kind.DSN: "a lock lives on a connection; pass a connection or a pool, or use "
+            "pglock.Locker(dsn), which keeps a pool"
+        },
+    )
+    if kind in HELD:
         return "conn"
-    mod = type(source).__module__
-    if mod.startswith("sqlalchemy"):
-        from sqlalchemy.engine import Connection
-        from sqlalchemy.orm import Session
-
-        if isinstance(source, (Connection, Session)):
-            return "conn"
-    if mod.startswith(("psycopg_pool", "sqlalchemy")):
-        _pool._classify(source)  # refuses async pools and engines, other drivers
-        return "pool"
-    if isinstance(source, str):
-        raise TypeError(
-            "a DSN is not accepted here: a lock lives on a connection; pass a connection or a "
-            "pool, or use pglock.Locker(dsn), which keeps a pool"
-        )
-    raise TypeError(f"expected {_ACCEPTED}; got {type(source).__module__}."
-                    f"{type(source).__qualname__}")
+    _pool._classify(source, "rwlock")  # the driver of an Engine
+    return "pool"
 
 
 class _Hold:

@@ -20,12 +20,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 from psycopg import sql
 
 from . import _conn, _sql
+from ._classify import Kind, classify
 from ._keys import key
 
 #: The schema pglock installs into unless told otherwise.
@@ -177,15 +178,12 @@ def install(target: str | psycopg.Connection[Any], *, schema: str = DEFAULT_SCHE
     """
     schema = validate_schema(schema)
     plan = revisions()
-    if isinstance(target, str):
-        if not target.strip():
+    if classify(target, (Kind.DSN, Kind.CONNECTION), api="install()") is Kind.DSN:
+        if not cast(str, target).strip():
             raise ValueError("the DSN must not be empty")
-        with psycopg.connect(target, autocommit=True) as conn:
+        with psycopg.connect(cast(str, target), autocommit=True) as conn:
             return _install(conn, schema, plan)
-    if not isinstance(target, psycopg.Connection):
-        raise TypeError(
-            f"install() takes a DSN or a psycopg Connection, not {type(target).__name__}"
-        )
+    target = cast("psycopg.Connection[Any]", target)
     if target.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
         raise ValueError("install() needs an idle connection (commit or roll back first)")
     return _install(target, schema, plan)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 from sqlalchemy import event
@@ -34,6 +34,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import Pool, PoolResetState
 
+from ._classify import Kind, check_driver, classify
 from ._conn import IDLE, INERROR
 from ._pool import PoolLock, release_all
 
@@ -80,18 +81,18 @@ def release_on_checkin(engine_or_pool: Engine | Pool) -> None:
         engine = sqlalchemy.create_engine("postgresql+psycopg://app@db/app")
         pglock.sqlalchemy.release_on_checkin(engine)
     """
-    if isinstance(engine_or_pool, Engine):
-        from ._classify import check_driver
-
-        check_driver(engine_or_pool.dialect)
-        target: Pool = engine_or_pool.pool
-    elif isinstance(engine_or_pool, Pool):
-        target = engine_or_pool
+    kind = classify(
+        engine_or_pool,
+        (Kind.ENGINE, Kind.SA_POOL),
+        api="release_on_checkin",
+        hints=dict.fromkeys(Kind, "pass the Engine or Pool that hands out the connections"),
+    )
+    if kind is Kind.ENGINE:
+        engine = cast(Engine, engine_or_pool)
+        check_driver(engine.dialect)
+        target: Pool = engine.pool
     else:
-        raise TypeError(
-            "release_on_checkin expects a SQLAlchemy Engine or Pool, "
-            f"not {type(engine_or_pool).__name__}"
-        )
+        target = cast(Pool, engine_or_pool)
     # A mark on the pool itself, not event.contains(): SQLAlchemy's registry is keyed by id(),
     # and a new pool that reuses a disposed one's id can look hooked when it is not.
     if not getattr(target, _MARK, False):
