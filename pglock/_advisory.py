@@ -457,7 +457,9 @@ def _acquire(
     granted = False
     try:
         remaining = _remaining(deadline)
-        ctx = Context([names[keys.index(k)] for k in need], need, timeout)
+        ctx = Context(
+            [names[keys.index(k)] for k in need], need, timeout, _conn.answer_deadline(deadline)
+        )
         granted = _session_lock(conn, state, need, ctx, shared=shared, timeout=remaining)
         if granted:
             _settle(state, need, ())
@@ -718,10 +720,10 @@ def _xact_acquire(
     _conn.ensure_sqlalchemy_transaction(target)
     state = _conn.state_for(conn)
     me = threading.current_thread()
-    ctx = Context(names, keys, timeout)
+    deadline = _deadline(timeout)
+    ctx = Context(names, keys, timeout, _conn.answer_deadline(deadline))
     if not state.probed or state.deferred:
         _housekeeping(conn, state, ctx)
-    deadline = _deadline(timeout)
     try:
         prior = _xact_reserve(conn, state, keys, names, me, shared=shared, deadline=deadline)
     except _Recheck as recheck:

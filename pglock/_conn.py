@@ -147,11 +147,15 @@ def check_usable(conn: psycopg.Connection[Any]) -> TransactionStatus:
 
 @dataclass
 class Context:
-    """What a statement is about, so a translated error can say so."""
+    """What a statement is about, so a translated error can say so, and by when it must be
+    answered."""
 
     names: Sequence[str] = ()
     keys: Sequence[int] = ()
     timeout: float | None = None
+    #: A ``time.monotonic()`` instant: a statement not answered by then is cut off (see
+    #: :func:`answer_deadline`); None waits as long as the server takes.
+    deadline: float | None = None
 
     @property
     def name(self) -> str | None:
@@ -264,12 +268,38 @@ def run_one(
     return rows[0] if rows else None
 
 
+#: How long past a lock attempt's own timeout pglock waits for the server's answer on a
+#: caller's connection. The server's ``lock_timeout`` has answered by then if it can; a
+#: statement still unanswered (a silent network, a stalled server) is cut off and its
+#: connection closed (its session ends, and every lock of it with it, once the server sees).
+ANSWER_GRACE = 5.0
+
+
+def answer_deadline(deadline: float | None) -> float | None:
+    """The instant by which a lock statement with the attempt ``deadline`` must be answered."""
+    return None if deadline is None else deadline + ANSWER_GRACE
+
+
+def _fetch(
+    conn: psycopg.Connection[Any],
+    query: str | bytes | sql.SQL | sql.Composed,
+    params: Sequence[Any] | None,
+    ctx: Context | None,
+) -> list[list[tuple[Any, ...]]]:
+    """:func:`fetch`, cut off at ``ctx.deadline`` when there is one."""
+    if ctx is None or ctx.deadline is None:
+        return fetch(conn, query, params)
+    from ._source import within  # _source builds on this module
+
+    return within(conn, ctx.deadline, lambda: fetch(conn, query, params), "a lock statement")
+
+
 def run_rows(
     conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...], ctx: Context | None = None
 ) -> list[tuple[Any, ...]]:
     """Like :func:`run_one`, returning every row (see ``_sql.LOCK_MANY``)."""
     try:
-        results = fetch(conn, query, params)
+        results = _fetch(conn, query, params, ctx)
     except psycopg.Error as exc:
         translated = translate(exc, ctx or Context())
         if translated is None:
@@ -287,7 +317,7 @@ def run_all(
 
     Postgres errors that mean something for a lock become pglock errors here, by SQLSTATE."""
     try:
-        return fetch(conn, stmt)
+        return _fetch(conn, stmt, None, ctx)
     except psycopg.Error as exc:
         translated = translate(exc, ctx or Context())
         if translated is None:
