@@ -672,11 +672,17 @@ class Locker:
             if self._own_pool is None:
                 from psycopg_pool import ConnectionPool
 
+                from ._source import connect_extra
+
                 kwargs: dict[str, Any] = {"min_size": 1, "max_size": 10, "name": "pglock"}
                 kwargs.update(self._pool_kwargs)
                 kwargs.setdefault("reset", reset_connection)
                 kwargs.setdefault("check", ConnectionPool.check_connection)
                 assert self._dsn is not None
+                # pglock opens these connections: connect timeout and TCP keepalives by
+                # default, as for every connection pglock opens (docs/guarantees.md).
+                given = dict(kwargs.get("kwargs") or {})
+                kwargs["kwargs"] = {**connect_extra(self._dsn, given), **given}
                 pool: ConnectionPool[Any] = ConnectionPool(self._dsn, open=False, **kwargs)
                 pool.open()
                 self._own_pool = pool

@@ -181,7 +181,12 @@ def install(target: str | psycopg.Connection[Any], *, schema: str = DEFAULT_SCHE
     if classify(target, (Kind.DSN, Kind.CONNECTION), api="install()") is Kind.DSN:
         if not cast(str, target).strip():
             raise ValueError("the DSN must not be empty")
-        with psycopg.connect(cast(str, target), autocommit=True) as conn:
+        from psycopg.conninfo import make_conninfo
+
+        from ._source import connect_extra
+
+        dsn = cast(str, target)
+        with psycopg.connect(make_conninfo(dsn, **connect_extra(dsn)), autocommit=True) as conn:
             return _install(conn, schema, plan)
     target = cast("psycopg.Connection[Any]", target)
     if target.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:

@@ -119,7 +119,11 @@ def _url_opener(url: Any) -> _Opener:
 
 def _psycopg_opener(dsn: str) -> _Opener:
     def open_() -> tuple[Any, Callable[[bool], None]]:
-        conn = psycopg.connect(dsn, autocommit=True)
+        from psycopg.conninfo import make_conninfo
+
+        from ._source import connect_extra
+
+        conn = psycopg.connect(make_conninfo(dsn, **connect_extra(dsn)), autocommit=True)
         return conn, lambda discard: conn.close()
 
     return open_

@@ -190,8 +190,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     dsn = _dsn(args)
+    from psycopg.conninfo import make_conninfo
+
+    from ._source import connect_extra
+
     conn = psycopg.connect(
-        dsn, autocommit=True, application_name="pglock status", connect_timeout=10
+        make_conninfo(dsn, **connect_extra(dsn)), autocommit=True,
+        application_name="pglock status",
     )
     with conn:
         if args.watch is None:

@@ -15,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 from _pgdb import sa_url
 from _truth import holder_pids as holders
+from psycopg.conninfo import make_conninfo
 
 import pglock
 
@@ -399,3 +400,27 @@ def test_lease_through_the_locker(pg_dsn: str, app_name: str, ns: str) -> None:
                 first = lease.token
             with locker.lease("job", ttl=10, timeout=5) as lease:
                 assert lease.token > first
+
+
+def test_dsn_locker_connections_get_a_connect_timeout_and_keepalives(
+    pg_dsn: str, app_name: str, ns: str
+) -> None:
+    """pglock opens a DSN Locker's connections: they carry connect_timeout, keepalives and
+    tcp_user_timeout unless the DSN or pool_kwargs' connection kwargs set them (on main they had
+    none: a silent network hung a checkout for as long as TCP retransmits)."""
+    from pglock import _source
+
+    with pglock.Locker(with_app(pg_dsn, app_name), namespace=ns) as locker:
+        with locker.lock("x") as conn:
+            params = conn.info.get_parameters()
+        for key, value in _source.CONNECT_DEFAULTS.items():
+            assert params.get(key) == value, (key, params)
+    mine = pglock.Locker(
+        make_conninfo(with_app(pg_dsn, app_name), connect_timeout=3),
+        namespace=ns,
+        pool_kwargs={"kwargs": {"keepalives_idle": 42}},
+    )
+    with mine, mine.lock("x") as conn:
+        params = conn.info.get_parameters()
+    assert params["connect_timeout"] == "3" and params["keepalives_idle"] == "42"
+    assert params["tcp_user_timeout"] == _source.CONNECT_DEFAULTS["tcp_user_timeout"]
