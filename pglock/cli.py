@@ -232,7 +232,7 @@ def status_snapshot(conn: Any, names: list[str] | None, schema: str) -> dict[str
     from . import _conn, _inspect, _lease, _sql
     from .errors import SchemaNotInstalled
 
-    info = _conn.fetch(conn, _sql.STATUS_HEADER)[0][0]
+    info = _conn.fetch(_conn.resolve(conn, "pglock status").conn, _sql.STATUS_HEADER)[0][0]
     locks = _inspect.advisory_locks(conn, names, schema=schema)
     doc: dict[str, Any] = {
         "database": info[0],

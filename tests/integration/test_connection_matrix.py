@@ -734,6 +734,33 @@ def api_advisory_locks(cell: Cell) -> None:
     assert holders(obs, n) == []
 
 
+def api_status(cell: Cell) -> None:
+    """What ``pglock status`` shows (its --json document), read through the set-up."""
+    from pglock.cli import status_snapshot
+
+    obs, other, n = cell.obs, cell.other, cell.name
+    held = pglock.pg_lock(other, n, timeout=0)
+    assert held.acquire()
+    lease = pglock.lease(cell.dsn, f"{n}:lease", ttl=30)
+    assert lease.acquire(timeout=0)
+    try:
+        c = cell.conn()
+        doc = cell.first(lambda: status_snapshot(c, [n, f"{n}:lease"], "pglock"))
+        assert doc["schema_installed"] is True
+        assert [(d["key"], d["name"], d["pid"], d["granted"]) for d in doc["advisory_locks"]] == [
+            (pglock.key(n), n, cell.other_pid, True)
+        ]
+        assert [(d["name"], d["holder"], d["token"]) for d in doc["leases"]] == [
+            (f"{n}:lease", lease.holder, lease.token)
+        ]
+        assert type(doc["server_version"]) is str and type(doc["database"]) is str
+    finally:
+        lease.release()
+        held.release()
+    assert status_snapshot(c, [n], "pglock")["advisory_locks"] == []
+    assert holders(obs, n) == []
+
+
 # --- the APIs: source-based ---------------------------------------------------------------------
 
 
@@ -1053,6 +1080,7 @@ API: dict[str, Callable[[Cell], None]] = {
     "guard": api_guard,
     "lease_info": api_lease_info,
     "advisory_locks": api_advisory_locks,
+    "status": api_status,
     "pool_lock": api_pool_lock,
     "Locker": api_locker,
     "reset_hook": api_reset_hook,
