@@ -22,28 +22,14 @@ from psycopg import sql
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool
 from test_connection_matrix import timeout_role
-from test_lease_support import lease_database, row_of, sleep_until_expired, wait_until
+from test_lease_support import row_of, sleep_until_expired, wait_until
 
 import pglock
-from pglock import _lease
 
 pytestmark = pytest.mark.timeout(60)
 
 X = "ExclusiveLock"
 Connect = Callable[..., psycopg.Connection[Any]]
-
-
-@pytest.fixture(scope="module")
-def db(pg_dsn: str) -> Iterator[str]:
-    """A database of the module's own with the pglock schema installed."""
-    with lease_database(pg_dsn) as dsn:
-        yield dsn
-
-
-@pytest.fixture
-def dsn(db: str, app_name: str) -> Iterator[str]:
-    yield with_params(db, application_name=app_name)
-    _lease.shutdown()
 
 
 @pytest.fixture

@@ -16,10 +16,8 @@ import pytest
 import sqlalchemy as sa
 from _pgdb import sa_url
 from sqlalchemy.orm import Session
-from test_lease_support import lease_database, with_app
 
 import pglock
-from pglock import _lease
 from pglock._classify import Kind, classify, kind_of
 
 
@@ -33,18 +31,6 @@ class MyPool(psycopg_pool.ConnectionPool[Any]):
 
 class MySession(Session):
     """An application's own Session class (the case that rwlock and lease_info refused)."""
-
-
-@pytest.fixture(scope="module")
-def db(pg_dsn: str) -> Iterator[str]:
-    with lease_database(pg_dsn) as dsn:
-        yield dsn
-
-
-@pytest.fixture
-def dsn(db: str, app_name: str) -> Iterator[str]:
-    yield with_app(db, app_name)
-    _lease.shutdown()
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ from psycopg.pq import Format, TransactionStatus
 from psycopg.rows import class_row, dict_row, namedtuple_row
 from psycopg_pool import ConnectionPool
 from sqlalchemy.pool import QueuePool
-from test_lease_support import lease_database, row_of, sleep_until_expired, wait_until
+from test_lease_support import row_of, sleep_until_expired, wait_until
 
 import pglock
 import pglock.sqlalchemy
@@ -132,12 +132,6 @@ SETUPS = [
 
 
 # --- module fixtures: a database with the schema, and the role ----------------------------------
-
-
-@pytest.fixture(scope="module")
-def db(pg_dsn: str) -> Iterator[str]:
-    with lease_database(pg_dsn) as dsn:
-        yield dsn
 
 
 @contextlib.contextmanager

@@ -4,30 +4,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg_pool import ConnectionPool
-from test_lease_support import lease_database, wait_until, with_app
+from test_lease_support import wait_until
 
 import pglock
 from pglock import _lease
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def db(pg_dsn: str) -> Iterator[str]:
-    with lease_database(pg_dsn) as dsn:
-        yield dsn
-
-
-@pytest.fixture
-def dsn(db: str, app_name: str) -> Iterator[str]:
-    yield with_app(db, app_name)
-    _lease.shutdown()
 
 
 def keepalive_threads() -> list[threading.Thread]:

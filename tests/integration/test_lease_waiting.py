@@ -102,18 +102,6 @@ class Holder:
                     pipe.close()
 
 
-@pytest.fixture(scope="module")
-def db(pg_dsn: str) -> Iterator[str]:
-    with lease_database(pg_dsn) as dsn:
-        yield dsn
-
-
-@pytest.fixture
-def dsn(db: str, app_name: str) -> Iterator[str]:
-    yield with_app(db, app_name)
-    _lease.shutdown()
-
-
 @pytest.fixture
 def admin(dsn: str) -> Iterator[psycopg.Connection[Any]]:
     with psycopg.connect(dsn, autocommit=True) as c:
