@@ -43,7 +43,6 @@ the caller's transaction. This module is the client around it:
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import json
 import logging
@@ -56,7 +55,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -68,9 +67,8 @@ from psycopg import errors as pg_errors
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
-from . import _conn, _sql
+from . import _conn, _sql, _ttl
 from ._classify import HELD, SOURCES, classify
-from ._keys import remaining as _remaining
 from ._keys import validate_flag, validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
 from ._source import (
@@ -79,9 +77,6 @@ from ._source import (
     WAIT_CHUNK,
     NoAnswer,
     Source,
-    close_dsn_sources,
-    listen_deadline,
-    open_listening,
     short_deadline,
 )
 from ._source import count as _count
@@ -108,17 +103,8 @@ MAX_METADATA_BYTES = 65536
 #: The longest holder id accepted, in UTF-8 bytes.
 MAX_HOLDER_BYTES = 256
 
-#: How long a waiter sleeps at most between looks at the database while its NOTIFY listener
-#: is up (jittered): a safety net for releases that send no NOTIFY (a row deleted by hand).
-_FALLBACK_POLL = (2.0, 4.0)
-#: The same while the listener is down: a jittered backoff from the first to the second value.
-_DEGRADED_POLL = (0.05, 1.0)
 #: Wake this much after the holder's expiry, so the server sees it expired.
 _EXPIRY_MARGIN = 0.002
-#: A listener with no waiters for this long closes its connection.
-_LISTENER_IDLE = 30.0
-#: How often a listener looks up from its connection (idle check, stop requests).
-_LISTENER_TICK = 0.5
 #: How many times a lease statement that failed with a serialization failure or a deadlock
 #: (possible under a REPEATABLE READ or SERIALIZABLE default isolation) is sent again (in an
 #: explicit READ COMMITTED transaction).
@@ -130,6 +116,9 @@ _WORKER_IDLE = 30.0
 
 _DEFAULT: Any = object()
 _NEW, _HELD, _RELEASED = "new", "held", "released"
+
+#: Leases, to the shared TTL-row client.
+LEASES = _ttl.Rows("lease", lease_channel)
 
 #: Statements sent, by kind ("acquire", "extend", "extend_many", "release", "guard", "ping",
 #: ...): for tests and benchmarks that count round trips (kept in ``_source.py``).
@@ -414,117 +403,7 @@ def make_source(source: object) -> Source:
     return _make_source(source, "lease")
 
 
-# --- the process-wide manager: keepalive thread, wait queues, listeners ---------------------
-
-
-class _Ticket:
-    """One waiter's place in a queue; its condition is made only if it has to wait."""
-
-    __slots__ = ("_cond", "lock")
-
-    def __init__(self, lock: threading.Lock) -> None:
-        self.lock = lock
-        self._cond: threading.Condition | None = None
-
-    @property
-    def cond(self) -> threading.Condition:
-        if self._cond is None:
-            self._cond = threading.Condition(self.lock)
-        return self._cond
-
-    def notify(self) -> None:
-        if self._cond is not None:  # nobody waits on a condition that was never made
-            self._cond.notify()
-
-
-class _Queue:
-    """The local waiters of one (source, schema, name), first in line first."""
-
-    __slots__ = ("holder", "tickets", "version")
-
-    def __init__(self) -> None:
-        self.tickets: deque[_Ticket] = deque()
-        #: Bumped on every event that may have freed the name: a NOTIFY, a local release.
-        self.version = 0
-        #: A lease of this process that holds the name (the head waits for it locally).
-        self.holder: Lease | None = None
-
-    def wake_head(self) -> None:
-        if self.tickets:
-            self.tickets[0].notify()
-
-
-class _Listener:
-    """One LISTEN connection for a (source, schema) and the thread that reads it."""
-
-    def __init__(self, mgr: _Manager, source: Source, schema: str, deadline: float) -> None:
-        self.mgr = mgr
-        self.source = source
-        self.schema = schema
-        self.channel = lease_channel(schema)
-        self.key = (source.key, schema)
-        self.healthy = False
-        self.stopped = False
-        self.conn: psycopg.Connection[Any] | None = None
-        self._close: Callable[[], None] | None = None
-        # In the caller's thread: LISTEN is active before it tries again.
-        self._connect(deadline)
-        self.thread = threading.Thread(
-            target=self._run, name=f"pglock-lease-listener-{schema}", daemon=True
-        )
-
-    def _connect(self, deadline: float) -> None:
-        _count("listen")
-        self.conn, self._close = open_listening(self.source, self.channel, deadline)
-        self.healthy = True
-
-    def _drop(self) -> None:
-        self.healthy = False
-        close, self.conn, self._close = self._close, None, None
-        if close is not None:
-            try:
-                close()
-            except Exception:
-                logger.debug("closing the listener connection failed", exc_info=True)
-
-    def _run(self) -> None:
-        # Only this thread touches the connection once it runs; others set ``stopped``.
-        backoff = 0.1
-        idle_since: float | None = None
-        try:
-            while not self.stopped:
-                if self.conn is None:
-                    try:
-                        self._connect(listen_deadline(None))
-                        backoff = 0.1
-                        # Releases may have gone unheard while the connection was down.
-                        self.mgr.wake_all(self.key)
-                    except Exception as exc:
-                        logger.debug("lease listener reconnect failed: %r", exc)
-                        time.sleep(backoff)
-                        backoff = min(backoff * 2, 5.0)
-                        self.mgr.stop_listener_if_idle(self, idle_for=None)
-                        continue
-                conn = self.conn
-                assert conn is not None
-                try:
-                    for n in conn.notifies(timeout=_LISTENER_TICK):
-                        if n.channel == self.channel:
-                            self.mgr.on_notify(self.key, n.payload)
-                except Exception as exc:
-                    logger.info("lease listener lost its connection (%r); waiters poll", exc)
-                    self._drop()
-                    self.mgr.wake_all(self.key)
-                    continue
-                now = time.monotonic()
-                if self.mgr.has_waiters(self.key):
-                    idle_since = None
-                elif idle_since is None:
-                    idle_since = now
-                else:
-                    self.mgr.stop_listener_if_idle(self, idle_for=now - idle_since)
-        finally:
-            self._drop()
+# --- the process-wide manager: the keepalive ---------------------------------------------------
 
 
 class _Worker:
@@ -539,7 +418,7 @@ class _Worker:
 
 
 class _Manager:
-    """Process-wide state: held leases (keepalive), wait queues, NOTIFY listeners.
+    """Process-wide state: the held leases and their keepalive.
 
     The keepalive is a scheduler thread and one worker thread per (source, schema). The
     scheduler never sends a statement: it hands due leases to their group's worker in one
@@ -558,21 +437,12 @@ class _Manager:
         self.next_wake = -math.inf
         #: Renewal workers per (source key, schema).
         self.workers: dict[tuple[Any, ...], _Worker] = {}
-        self.queues: dict[tuple[Any, ...], _Queue] = {}
-        #: Tickets waiting, per (source key, schema): is a listener still needed?
-        self.waiting: Counter[tuple[Any, ...]] = Counter()
-        self.listeners: dict[tuple[Any, ...], _Listener] = {}
-        self.listener_create = threading.Lock()
-        self.rng = random.Random()
 
     # -- held leases and the keepalive ---------------------------------------------------------
 
     def register(self, lease: Lease) -> None:
         with self.lock:
             self.leases.add(lease)
-            q = self.queues.get(lease._qkey)
-            if q is not None:
-                q.holder = lease
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(
                     target=self._keepalive, name="pglock-lease-keepalive", daemon=True
@@ -583,23 +453,13 @@ class _Manager:
                 # Only when the new lease is due before the thread's next wake-up: a stream of
                 # acquires must not make it rescan every held lease each time.
                 self.cond.notify()
+        _ttl._waiters_().hold(lease._qkey, lease)
 
     def unregister(self, lease: Lease, *, notified: bool = False) -> None:
         """Forget a lease that is no longer held; wake the local waiters for its name."""
         with self.lock:
             self.leases.discard(lease)
-            q = self.queues.get(lease._qkey)
-            if q is None:
-                return
-            if q.holder is lease:
-                q.holder = None
-            lst = self.listeners.get(lease._group)
-            if notified and lst is not None and lst.healthy:
-                # The NOTIFY reaches these waiters through the listener; waking them now as
-                # well would make the next one ask again, needlessly, after the handoff.
-                return
-            q.version += 1
-            q.wake_head()
+        _ttl._waiters_().ended(lease._qkey, lease, notified=notified)
 
     def _keepalive(self) -> None:
         while True:
@@ -742,115 +602,6 @@ class _Manager:
                     gen=gen,
                 )
 
-    # -- wait queues ------------------------------------------------------------------------
-
-    def enqueue(self, qkey: tuple[Any, ...]) -> tuple[_Queue, _Ticket]:
-        with self.lock:
-            q = self.queues.get(qkey)
-            if q is None:
-                q = self.queues[qkey] = _Queue()
-            ticket = _Ticket(self.lock)
-            q.tickets.append(ticket)
-            self.waiting[qkey[:2]] += 1
-            return q, ticket
-
-    def dequeue(self, qkey: tuple[Any, ...], q: _Queue, ticket: _Ticket) -> None:
-        with self.lock:
-            was_head = bool(q.tickets) and q.tickets[0] is ticket
-            try:
-                q.tickets.remove(ticket)
-            except ValueError:
-                return
-            self.waiting[qkey[:2]] -= 1
-            if not self.waiting[qkey[:2]]:
-                del self.waiting[qkey[:2]]
-            if was_head:
-                q.wake_head()
-            # A queue lives while somebody waits; its holder is only of use to them.
-            if not q.tickets and self.queues.get(qkey) is q:
-                del self.queues[qkey]
-
-    def wait_head(self, q: _Queue, ticket: _Ticket, deadline: float | None) -> bool:
-        with self.lock:
-            while q.tickets[0] is not ticket:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                ticket.cond.wait(remaining)
-            return True
-
-    def on_notify(self, key: tuple[Any, ...], name: str) -> None:
-        with self.lock:
-            q = self.queues.get((*key, name))
-            if q is not None:
-                q.version += 1
-                q.wake_head()
-
-    def wake_all(self, key: tuple[Any, ...]) -> None:
-        with self.lock:
-            for qkey, q in self.queues.items():
-                if qkey[:2] == key:
-                    q.version += 1
-                    q.wake_head()
-
-    def has_waiters(self, key: tuple[Any, ...]) -> bool:
-        with self.lock:
-            return key in self.waiting
-
-    # -- listeners ----------------------------------------------------------------------------
-
-    def listener(
-        self, source: Source, schema: str, deadline: float
-    ) -> tuple[_Listener | None, bool]:
-        """The (source, schema) listener, started if needed: (listener, created now).
-
-        :param deadline: when a new listener must be listening (:func:`listen_deadline`);
-            past it, waiters poll instead.
-        """
-        key = (source.key, schema)
-        with self.lock:
-            lst = self.listeners.get(key)
-            if lst is not None:
-                return lst, False
-        with self.listener_create:
-            with self.lock:
-                lst = self.listeners.get(key)
-                if lst is not None:
-                    return lst, False
-            try:
-                lst = _Listener(self, source, schema, deadline)
-            except Exception as exc:
-                logger.info("could not LISTEN for lease releases (%r); waiters poll instead", exc)
-                return None, False
-            with self.lock:
-                self.listeners[key] = lst
-            lst.thread.start()
-            return lst, True
-
-    def stop_listener_if_idle(self, lst: _Listener, idle_for: float | None) -> None:
-        with self.lock:
-            busy = lst.key in self.waiting
-            if busy or (idle_for is not None and idle_for < _LISTENER_IDLE):
-                return
-            if self.listeners.get(lst.key) is lst:
-                del self.listeners[lst.key]
-            lst.healthy = False
-            lst.stopped = True
-
-    def shutdown(self) -> None:
-        """Stop every listener (each closes its connection within a tick)."""
-        with self.lock:
-            listeners, self.listeners = list(self.listeners.values()), {}
-            for lst in listeners:
-                lst.healthy = False
-                lst.stopped = True
-
-    def fallback(self, lst: _Listener | None, attempt: int) -> float:
-        if lst is not None and lst.healthy:
-            return self.rng.uniform(*_FALLBACK_POLL)
-        low, high = _DEGRADED_POLL
-        return self.rng.uniform(0.5, 1.0) * min(high, low * 2.0 ** min(attempt, 30))
-
 
 _manager_lock = threading.Lock()
 _the_manager: _Manager | None = None
@@ -899,17 +650,8 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def shutdown() -> None:
-    """Close what pglock opened for leases in this process: the NOTIFY listeners and the
-    connections kept per DSN string. Runs at exit; leases still held are not released (they
-    expire). Later lease calls open what they need again."""
-    m = _the_manager
-    if m is not None:
-        m.shutdown()
-    close_dsn_sources()
-
-
-atexit.register(shutdown)
+#: Close the NOTIFY listeners and the connections kept per DSN string (see :func:`_ttl.shutdown`).
+shutdown = _ttl.shutdown
 
 
 # --- the public API ----------------------------------------------------------------------------
@@ -987,7 +729,8 @@ class Lease:
                 raise ValueError("resume=True keeps the stored metadata; do not pass metadata")
         self._holder = default_holder() if holder is None else validate_holder(holder)
         self._source = make_source(source)
-        self._qkey = (self._source.key, self._schema, self._name)
+        #: The process's wait queue for the name (see :func:`_ttl.wait`).
+        self._qkey = (self._source.key, self._schema, lease_channel(self._schema), self._name)
         self._group = (self._source.key, self._schema)
 
         self._op = threading.Lock()  # acquire / release / extend, one at a time
@@ -1246,54 +989,19 @@ class Lease:
             )
 
     def _wait_and_acquire(self, timeout: float | None) -> bool:
-        mgr = _mgr()
         deadline = None if timeout is None else time.monotonic() + timeout
-        q, ticket = mgr.enqueue(self._qkey)
-        try:
-            if not mgr.wait_head(q, ticket, deadline):
-                return False
-            listener: _Listener | None = None
-            polls = 0
-            while True:
-                with mgr.lock:
-                    seen = q.version
-                    local = q.holder
-                wake_at = self._local_wake(local)
-                if wake_at is None or wake_at <= time.monotonic():
-                    row = self._attempt(_remaining(deadline))
-                    if row is not None and row[0] and self._granted(row):
-                        return True
-                    if row is not None and not row[0]:
-                        listener, created = self._ensure_listener(mgr, listener, deadline)
-                        if created:
-                            continue  # LISTEN is active now: look once more, then sleep
-                    wake_at = self._wake_after(row, mgr.rng)
-                    if deadline is not None and time.monotonic() >= deadline:
-                        return False
-                if local is None:
-                    polls += 1
-                    wake_at = min(wake_at, time.monotonic() + mgr.fallback(listener, polls))
-                if deadline is not None:
-                    wake_at = min(wake_at, deadline)
-                with mgr.lock:
-                    while q.version == seen:
-                        left = wake_at - time.monotonic()
-                        if left <= 0:
-                            break
-                        ticket.cond.wait(left)
-                    woken = q.version != seen
-                if not woken and deadline is not None and time.monotonic() >= deadline:
-                    return False
-        finally:
-            mgr.dequeue(self._qkey, q, ticket)
+        granted = _ttl.wait(
+            LEASES, self._source, self._schema, self._name, None, deadline,
+            self._try_once, self._local_wake,
+        )
+        return granted is not None
 
-    def _ensure_listener(
-        self, mgr: _Manager, listener: _Listener | None, deadline: float | None
-    ) -> tuple[_Listener | None, bool]:
-        """A refused waiter's NOTIFY listener: (listener, created now)."""
-        if listener is not None and listener.healthy:
-            return listener, False
-        return mgr.listener(self._source, self._schema, listen_deadline(deadline))
+    def _try_once(self, wait: float | None) -> _ttl.Attempt:
+        """One attempt of a waiter (the head of this process's queue for the name)."""
+        row = self._attempt(wait)
+        if row is not None and row[0] and self._granted(row):
+            return True, False, None
+        return None, row is not None and not row[0], self._wake_after(row)
 
     def _local_wake(self, local: Lease | None) -> float | None:
         """When to look again while a lease of this process holds the name (None: now)."""
@@ -1308,7 +1016,7 @@ class Lease:
         return None
 
     @staticmethod
-    def _wake_after(row: tuple[Any, ...] | None, rng: random.Random) -> float:
+    def _wake_after(row: tuple[Any, ...] | None) -> float:
         """When to try again after an attempt that did not grant: just after the holder's
         expiry on the server clock, or after a short jittered pause (contention, a grant
         given back, no answer)."""
@@ -1316,7 +1024,7 @@ class Lease:
             left = max(0.0, float((row[4] - row[5]).total_seconds()))
             received: float = row[7]
             return received + left + _EXPIRY_MARGIN
-        return time.monotonic() + rng.uniform(0.005, 0.02)
+        return time.monotonic() + random.uniform(0.005, 0.02)
 
     def _do_resume(self) -> bool:
         sent = time.monotonic()

@@ -1,0 +1,480 @@
+"""The TTL-row client that leases and semaphores share: NOTIFY listeners and waiter queues.
+
+``Lease`` and ``Semaphore`` implement only their hooks (an attempt, what a grant of theirs
+holds). The design is in docs/how-it-works.md, "Leases and semaphores".
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import random
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from ._keys import remaining as _remaining
+from ._source import Source, close_dsn_sources, count, listen_deadline, open_listening
+
+logger = logging.getLogger("pglock.ttl")
+
+#: How long a waiter sleeps at most between looks at the database while its NOTIFY listener
+#: is up (jittered): a safety net for releases that send no NOTIFY (a row deleted by hand).
+FALLBACK_POLL = (2.0, 4.0)
+#: The same while the listener is down: a jittered backoff from the first to the second value.
+DEGRADED_POLL = (0.05, 1.0)
+#: A listener with no waiters for this long closes its connection.
+LISTENER_IDLE = 30.0
+#: How often a listener looks up from its connection (idle check, stop requests).
+_LISTENER_TICK = 0.5
+
+#: What an attempt returns: the grant (None: not granted), whether the database refused it
+#: (rather than giving no answer, or a grant that came too late), and when to look again
+#: (a ``time.monotonic()`` instant; None: at the next wake-up).
+Attempt = tuple[Any, bool, float | None]
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One kind of TTL row, as the shared client needs to know it.
+
+    :ivar user: who sends its statements (``"lease"``, ``"semaphore"``): the
+        ``pglock.<user>`` logger and the messages.
+    :ivar channel: the NOTIFY channel of its releases in a schema (the payload is the name).
+    :ivar prefix: of its statement kinds in :data:`pglock._source.statements`.
+    :ivar look_again_on_subscribe: after its first refusal, a wait queue looks once more when
+        it first hears of its listener, not only when the LISTEN connection is new (what the
+        semaphore client has always done: one more statement per wait).
+    """
+
+    user: str
+    channel: Callable[[str], str]
+    prefix: str = ""
+    look_again_on_subscribe: bool = False
+
+    @property
+    def log(self) -> logging.Logger:
+        return logging.getLogger(f"pglock.{self.user}")
+
+
+# --- waiter queues and NOTIFY listeners ---------------------------------------------------------
+
+
+class _Ticket:
+    """One waiter's place in a queue; its condition is made only if it has to wait."""
+
+    __slots__ = ("_cond", "lock")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.lock = lock
+        self._cond: threading.Condition | None = None
+
+    @property
+    def cond(self) -> threading.Condition:
+        if self._cond is None:
+            self._cond = threading.Condition(self.lock)
+        return self._cond
+
+    def notify(self) -> None:
+        if self._cond is not None:  # nobody waits on a condition that was never made
+            self._cond.notify()
+
+
+class _Queue:
+    """The local waiters of one name (and owner), first in line first."""
+
+    __slots__ = ("holder", "listening", "tickets", "version")
+
+    def __init__(self) -> None:
+        self.tickets: deque[_Ticket] = deque()
+        #: Bumped on every event that may have freed the name: a NOTIFY, a local release.
+        self.version = 0
+        #: A grant of this process that holds the name (the head waits for it locally).
+        self.holder: Any = None
+        #: The head has had a listener (see :attr:`Rows.look_again_on_subscribe`).
+        self.listening = False
+
+    def wake_head(self) -> None:
+        self.version += 1
+        if self.tickets:
+            self.tickets[0].notify()
+
+
+class _Listener:
+    """One LISTEN connection for a (source, schema, channel) and the thread that reads it."""
+
+    def __init__(
+        self, waiters: _Waiters, rows: Rows, source: Source, schema: str, deadline: float
+    ) -> None:
+        self.waiters = waiters
+        self.rows = rows
+        self.source = source
+        self.channel = rows.channel(schema)
+        self.key = (source.key, schema, self.channel)
+        self.healthy = False
+        self.stopped = False
+        self.conn: psycopg.Connection[Any] | None = None
+        self._close: Callable[[], None] | None = None
+        # In the caller's thread: LISTEN is active before it tries again.
+        self._connect(deadline)
+        self.thread = threading.Thread(
+            target=self._run, name=f"pglock-{rows.user}-listener-{schema}", daemon=True
+        )
+
+    def _connect(self, deadline: float) -> None:
+        count(self.rows.prefix + "listen")
+        self.conn, self._close = open_listening(self.source, self.channel, deadline)
+        self.healthy = True
+
+    def _drop(self) -> None:
+        self.healthy = False
+        close, self.conn, self._close = self._close, None, None
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                logger.debug("closing the listener connection failed", exc_info=True)
+
+    def _run(self) -> None:
+        # Only this thread touches the connection once it runs; others set ``stopped``.
+        backoff = 0.1
+        idle_since: float | None = None
+        waiters = self.waiters
+        try:
+            while not self.stopped:
+                if self.conn is None:
+                    try:
+                        self._connect(listen_deadline(None))
+                        backoff = 0.1
+                        # Releases may have gone unheard while the connection was down.
+                        waiters.wake_all(self.key)
+                    except Exception as exc:
+                        self.rows.log.debug("%s listener reconnect failed: %r", self.rows.user, exc)
+                        time.sleep(backoff)
+                        backoff = min(backoff * 2, 5.0)
+                        waiters.stop_listener_if_idle(self, idle_for=None)
+                        continue
+                conn = self.conn
+                assert conn is not None
+                try:
+                    for n in conn.notifies(timeout=_LISTENER_TICK):
+                        if n.channel == self.channel:
+                            waiters.on_notify(self.key, n.payload)
+                except Exception as exc:
+                    self.rows.log.info(
+                        "%s listener lost its connection (%r); waiters poll", self.rows.user, exc
+                    )
+                    self._drop()
+                    waiters.wake_all(self.key)
+                    continue
+                now = time.monotonic()
+                if waiters.has_waiters(self.key):
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = now
+                else:
+                    waiters.stop_listener_if_idle(self, idle_for=now - idle_since)
+        finally:
+            self._drop()
+
+
+class _Waiters:
+    """The process's wait queues and NOTIFY listeners.
+
+    A queue is keyed by ``(source key, schema, channel, name)`` and an owner: leases share one
+    queue per name (owner None), each semaphore object has its own. A NOTIFY wakes the head
+    of every queue of its name; a local release pokes one queue.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.queues: dict[tuple[Any, ...], dict[object, _Queue]] = {}
+        #: Tickets waiting, per (source key, schema, channel): is its listener still needed?
+        self.waiting: Counter[tuple[Any, ...]] = Counter()
+        self.listeners: dict[tuple[Any, ...], _Listener] = {}
+        self.listener_create = threading.Lock()
+        self.rng = random.Random()
+
+    # -- queues -------------------------------------------------------------------------------
+
+    def enqueue(self, key: tuple[Any, ...], owner: object) -> tuple[_Queue, _Ticket]:
+        with self.lock:
+            owners = self.queues.setdefault(key, {})
+            q = owners.get(owner)
+            if q is None:
+                q = owners[owner] = _Queue()
+            ticket = _Ticket(self.lock)
+            q.tickets.append(ticket)
+            self.waiting[key[:3]] += 1
+            return q, ticket
+
+    def dequeue(self, key: tuple[Any, ...], owner: object, q: _Queue, ticket: _Ticket) -> None:
+        with self.lock:
+            was_head = bool(q.tickets) and q.tickets[0] is ticket
+            try:
+                q.tickets.remove(ticket)
+            except ValueError:
+                return
+            self.waiting[key[:3]] -= 1
+            if not self.waiting[key[:3]]:
+                del self.waiting[key[:3]]
+            if was_head and q.tickets:
+                q.tickets[0].notify()  # the next in line goes at once
+            # A queue lives while somebody waits; its holder is only of use to them.
+            owners = self.queues.get(key)
+            if not q.tickets and owners is not None and owners.get(owner) is q:
+                del owners[owner]
+                if not owners:
+                    del self.queues[key]
+
+    def wait_head(self, q: _Queue, ticket: _Ticket, deadline: float | None) -> bool:
+        with self.lock:
+            while q.tickets[0] is not ticket:
+                left = _remaining(deadline)
+                if left == 0:
+                    return False
+                ticket.cond.wait(left)
+            return True
+
+    def sleep(self, q: _Queue, ticket: _Ticket, seen: int, until: float) -> bool:
+        """Sleep until the queue's version moves on from ``seen`` (True) or ``until`` passes."""
+        with self.lock:
+            while q.version == seen:
+                left = until - time.monotonic()
+                if left <= 0:
+                    break
+                ticket.cond.wait(left)
+            return q.version != seen
+
+    def _wake(self, queues: Iterable[_Queue]) -> None:
+        for q in queues:
+            q.wake_head()
+
+    def on_notify(self, lkey: tuple[Any, ...], name: str) -> None:
+        with self.lock:
+            self._wake(self.queues.get((*lkey, name), {}).values())
+
+    def wake_all(self, lkey: tuple[Any, ...]) -> None:
+        with self.lock:
+            for key, owners in self.queues.items():
+                if key[:3] == lkey:
+                    self._wake(owners.values())
+
+    def poke(self, key: tuple[Any, ...], owner: object) -> None:
+        """Wake the head of one queue (a local release)."""
+        with self.lock:
+            q = self.queues.get(key, {}).get(owner)
+            if q is not None:
+                q.wake_head()
+
+    def hold(self, key: tuple[Any, ...], holder: object) -> None:
+        """A grant of this process holds the name of the shared queue ``key`` (if any)."""
+        with self.lock:
+            q = self.queues.get(key, {}).get(None)
+            if q is not None:
+                q.holder = holder
+
+    def ended(self, key: tuple[Any, ...], holder: object, *, notified: bool = False) -> None:
+        """A grant of this process on the name of the shared queue ``key`` ended: its waiters
+        look again, unless the release sent a NOTIFY that a healthy listener will bring."""
+        with self.lock:
+            q = self.queues.get(key, {}).get(None)
+            if q is None:
+                return
+            if q.holder is holder:
+                q.holder = None
+            lst = self.listeners.get(key[:3])
+            if notified and lst is not None and lst.healthy:
+                # Waking them now as well would make the next one ask again, needlessly,
+                # after the handoff.
+                return
+            q.wake_head()
+
+    def has_waiters(self, lkey: tuple[Any, ...]) -> bool:
+        with self.lock:
+            return lkey in self.waiting
+
+    # -- listeners ----------------------------------------------------------------------------
+
+    def listener(
+        self, rows: Rows, source: Source, schema: str, deadline: float
+    ) -> tuple[_Listener | None, bool]:
+        """The (source, schema) listener of ``rows``, started if needed: (listener, created
+        now). A new one must be listening by ``deadline`` (:func:`listen_deadline`); past it,
+        waiters poll instead."""
+        key = (source.key, schema, rows.channel(schema))
+        with self.lock:
+            lst = self.listeners.get(key)
+            if lst is not None:
+                return lst, False
+        with self.listener_create:
+            with self.lock:
+                lst = self.listeners.get(key)
+                if lst is not None:
+                    return lst, False
+            try:
+                lst = _Listener(self, rows, source, schema, deadline)
+            except Exception as exc:
+                rows.log.info(
+                    "could not LISTEN for %s releases (%r); waiters poll instead", rows.user, exc
+                )
+                return None, False
+            with self.lock:
+                self.listeners[key] = lst
+            lst.thread.start()
+            return lst, True
+
+    def stop_listener_if_idle(self, lst: _Listener, idle_for: float | None) -> None:
+        """Stop ``lst`` if nobody waits (and, given ``idle_for``, for long enough)."""
+        with self.lock:
+            busy = lst.key in self.waiting
+            if busy or (idle_for is not None and idle_for < LISTENER_IDLE):
+                return
+            if self.listeners.get(lst.key) is lst:
+                del self.listeners[lst.key]
+            lst.healthy = False
+            lst.stopped = True
+
+    def retire(self, lkey: tuple[Any, ...]) -> None:
+        """Stop the listener of ``lkey`` now if nobody waits (it closes within a tick)."""
+        with self.lock:
+            lst = self.listeners.get(lkey)
+        if lst is not None:
+            self.stop_listener_if_idle(lst, idle_for=None)
+
+    def shutdown(self) -> None:
+        """Stop every listener (each closes its connection within a tick)."""
+        with self.lock:
+            listeners, self.listeners = list(self.listeners.values()), {}
+            for lst in listeners:
+                lst.healthy = False
+                lst.stopped = True
+
+    def fallback(self, lst: _Listener | None, polls: int) -> float:
+        if lst is not None and lst.healthy:
+            return self.rng.uniform(*FALLBACK_POLL)
+        low, high = DEGRADED_POLL
+        return self.rng.uniform(0.5, 1.0) * min(high, low * 2.0 ** min(polls, 30))
+
+
+def wait(
+    rows: Rows,
+    source: Source,
+    schema: str,
+    name: str,
+    owner: object,
+    deadline: float | None,
+    attempt: Callable[[float | None], Attempt],
+    local_wake: Callable[[Any], float | None] | None = None,
+) -> Any:
+    """Wait for a grant of ``name`` until ``deadline`` (monotonic; None: forever): the grant
+    of the first ``attempt`` that gives one, or None.
+
+    The waiters of one queue go first in, first out, and only the head calls
+    ``attempt(seconds left)``. After a refusal it LISTENs for the releases of ``rows`` on the
+    source and schema, and sleeps until a NOTIFY for the name, a local release, the instant
+    the attempt named, or a jittered fallback poll. While a grant of this process holds the
+    name, ``local_wake(holder)`` says when to look again (None: now) and nothing is polled.
+    """
+    waiters = _waiters_()
+    key = (source.key, schema, rows.channel(schema), name)
+    q, ticket = waiters.enqueue(key, owner)
+    try:
+        if not waiters.wait_head(q, ticket, deadline):
+            return None
+        listener: _Listener | None = None
+        polls = 0
+        while True:
+            with waiters.lock:
+                seen, local = q.version, q.holder
+            wake_at = None if local_wake is None else local_wake(local)
+            if wake_at is None or wake_at <= time.monotonic():
+                granted, refused, wake_at = attempt(_remaining(deadline))
+                if granted is not None:
+                    return granted
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                if refused:
+                    listener, again = _listen(waiters, rows, q, listener, source, schema, deadline)
+                    if again:
+                        continue  # LISTEN is active now: look once more, then sleep
+                if wake_at is None:
+                    wake_at = math.inf
+            if local is None or math.isinf(wake_at):
+                polls += 1
+                wake_at = min(wake_at, time.monotonic() + waiters.fallback(listener, polls))
+            if deadline is not None:
+                wake_at = min(wake_at, deadline)
+            woken = waiters.sleep(q, ticket, seen, wake_at)
+            if not woken and deadline is not None and time.monotonic() >= deadline:
+                return None
+    finally:
+        waiters.dequeue(key, owner, q, ticket)
+
+
+def _listen(
+    waiters: _Waiters,
+    rows: Rows,
+    q: _Queue,
+    listener: _Listener | None,
+    source: Source,
+    schema: str,
+    deadline: float | None,
+) -> tuple[_Listener | None, bool]:
+    """A refused head's NOTIFY listener, and whether to look once more before sleeping (a
+    release sent before LISTEN was active went unheard)."""
+    if listener is not None and listener.healthy:
+        return listener, False
+    lst, created = waiters.listener(rows, source, schema, listen_deadline(deadline))
+    first = lst is not None and not q.listening
+    if lst is not None:
+        q.listening = True
+    return lst, created or (first and rows.look_again_on_subscribe)
+
+
+# --- the process-wide state ---------------------------------------------------------------------
+
+_state_lock = threading.Lock()
+_the_waiters: _Waiters | None = None
+
+
+def _waiters_() -> _Waiters:
+    global _the_waiters
+    w = _the_waiters
+    if w is None:
+        with _state_lock:
+            if _the_waiters is None:
+                _the_waiters = _Waiters()
+            w = _the_waiters
+    return w
+
+
+def shutdown() -> None:
+    """Close what pglock opened for leases and semaphores in this process: the NOTIFY
+    listeners and the connections kept per DSN string. Runs at exit; grants still held are not
+    released (they expire). Later calls open what they need again."""
+    w = _the_waiters
+    if w is not None:
+        w.shutdown()
+    close_dsn_sources()
+
+
+atexit.register(shutdown)
+
+
+def _after_fork_in_child() -> None:
+    # Threads and connections do not survive a fork: the child starts from nothing.
+    global _the_waiters, _state_lock
+    _the_waiters = None
+    _state_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
