@@ -49,7 +49,6 @@ import logging
 import math
 import os
 import random
-import shlex
 import socket
 import threading
 import time
@@ -63,7 +62,6 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg import errors as pg_errors
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
@@ -85,10 +83,8 @@ from ._source import statements as _statements
 from .errors import (
     HolderInUse,
     InvalidConnectionState,
-    LockError,
     LockLost,
     LockNotAcquired,
-    SchemaNotInstalled,
 )
 
 if TYPE_CHECKING:
@@ -105,10 +101,6 @@ MAX_HOLDER_BYTES = 256
 
 #: Wake this much after the holder's expiry, so the server sees it expired.
 _EXPIRY_MARGIN = 0.002
-#: How many times a lease statement that failed with a serialization failure or a deadlock
-#: (possible under a REPEATABLE READ or SERIALIZABLE default isolation) is sent again (in an
-#: explicit READ COMMITTED transaction).
-_RETRIES = 5
 #: The keepalive scheduler looks up at least this often (seconds), leases or not.
 _KEEPALIVE_TICK = 5.0
 #: A renewal worker (one per source and schema) with nothing to do for this long exits.
@@ -249,148 +241,17 @@ def _run_once_more(
     timeout: float | None = None,
     deadline: float | None = None,
 ) -> tuple[list[tuple[Any, ...]], bool]:
-    """Send one lease statement; return its rows and whether it was sent a second time, on a
-    new connection, because its connection died under it (:meth:`Source.run_once_more`).
+    """Send one lease statement; return its rows and whether it was sent a second time
+    (:func:`_ttl.run`, which says what ``timeout`` and ``deadline`` are).
 
     That is safe: every lease statement is idempotent per holder (an acquire by the same
     holder re-enters keeping the token; extend and release name the holder and the token), so
     a first attempt that did commit before its connection died changes nothing but the answer
     of a release.
-
-    :param timeout: the longest wait for a pool connection.
-    :param deadline: the ``time.monotonic()`` instant the statement is cut off at
-        (:class:`NoAnswer`, a ``psycopg.OperationalError``: the outcome is unknown).
     """
-    return source.run_once_more(
-        lambda conn: _execute(conn, kind, schema, params), "lease", kind, timeout, deadline
-    )
-
-
-def _execute(
-    conn: psycopg.Connection[Any], kind: str, schema: str, params: tuple[Any, ...]
-) -> list[tuple[Any, ...]]:
-    """One statement in autocommit on ``conn`` (restoring its autocommit setting)."""
-    query = _stmt(kind, schema)
-    restore = False
-    if not conn.autocommit:
-        if conn.info.transaction_status != TransactionStatus.IDLE:
-            raise InvalidConnectionState(
-                "the pool handed out a connection inside a transaction; pglock runs lease "
-                "statements in their own transactions"
-            )
-        conn.autocommit = True
-        restore = True
-    # Binary results for the keepalive's big batches (cheaper to parse).
-    binary = kind == "extend_many"
-    state = _conn.state_for(conn)
-    try:
-        for attempt in range(_RETRIES + 1):
-            _count(kind)
-            try:
-                if attempt == 0 and not state.session_timeouts:
-                    return _conn.fetch(conn, query, params, binary=binary)[0]
-                return _execute_read_committed(conn, query, params, binary)
-            except (pg_errors.QueryCanceled, pg_errors.LockNotAvailable):
-                # The session's own statement_timeout or lock_timeout (ALTER ROLE app SET
-                # statement_timeout = '300ms') must not end a wait of pglock's: sent again with
-                # them off (LEASE_RETRY_BEGIN), and so from now on on this connection. With
-                # none set it was a cancel, which stands.
-                if attempt or state.session_timeouts or not _session_timeouts(conn):
-                    raise
-                state.session_timeouts = True
-            except (pg_errors.SerializationFailure, pg_errors.DeadlockDetected) as exc:
-                # Under a REPEATABLE READ or SERIALIZABLE default isolation, concurrent lease
-                # statements fail this way (the functions are written for READ COMMITTED,
-                # where they follow concurrent changes). Each is its own transaction, rolled
-                # back whole: it is sent again at READ COMMITTED, where only a deadlock can
-                # fail it again. Retrying at the default level could fail every time under
-                # contention between processes.
-                if attempt == _RETRIES or conn.info.transaction_status != TransactionStatus.IDLE:
-                    raise
-                logger.debug(
-                    "lease statement %r: %s; sending it again at READ COMMITTED",
-                    kind, type(exc).__name__,
-                )
-                if attempt or isinstance(exc, pg_errors.DeadlockDetected):
-                    time.sleep(random.uniform(0.001, 0.005) * (attempt + 1))
-        raise AssertionError("unreachable")
-    except psycopg.Error as exc:
-        translated = _translate(exc, conn, schema)
-        if translated is None:
-            raise
-        raise translated from exc
-    finally:
-        if restore and not (conn.closed or conn.broken):
-            try:
-                conn.autocommit = False
-            except psycopg.Error:
-                logger.debug("could not restore autocommit=False", exc_info=True)
-
-
-def _session_timeouts(conn: psycopg.Connection[Any]) -> bool:
-    """Does the session of ``conn`` (idle, autocommit) have a statement or lock timeout?"""
-    if conn.closed or conn.broken or conn.info.transaction_status != TransactionStatus.IDLE:
-        return False
-    return bool(_conn.fetch(conn, _sql.SESSION_TIMEOUTS)[0][0][0])
-
-
-def _execute_read_committed(
-    conn: psycopg.Connection[Any], query: bytes, params: tuple[Any, ...], binary: bool
-) -> list[tuple[Any, ...]]:
-    """``query`` in an explicit READ COMMITTED transaction on the autocommit ``conn``, the
-    session's timeouts off: three round trips, only for a statement that already failed at the
-    session's default level, or on a session with timeouts of its own."""
-    _count("retry_read_committed")
-    _conn.fetch(conn, _retry_sql("begin"))
-    try:
-        rows = _conn.fetch(conn, query, params, binary=binary)[0]
-        _conn.fetch(conn, _retry_sql("commit"))
-        return rows
-    except BaseException:
-        if not (conn.closed or conn.broken) and (
-            conn.info.transaction_status != TransactionStatus.IDLE
-        ):
-            try:
-                _conn.fetch(conn, _retry_sql("rollback"))
-            except psycopg.Error:
-                logger.debug("rolling back a lease retry failed", exc_info=True)
-        raise
-
-
-@lru_cache(maxsize=4)
-def _retry_sql(which: str) -> bytes:
-    stmt: sql.SQL = getattr(_sql, f"LEASE_RETRY_{which.upper()}")
-    return stmt.as_bytes(None)
-
-
-def _translate(exc: psycopg.Error, conn: psycopg.Connection[Any], schema: str) -> Exception | None:
-    if isinstance(
-        exc, (pg_errors.UndefinedFunction, pg_errors.UndefinedTable, pg_errors.InvalidSchemaName)
-    ):
-        return schema_not_installed(conn, schema)
-    if isinstance(exc, pg_errors.SequenceGeneratorLimitExceeded):
-        return LockError(
-            f"the fencing-token sequence {schema}.lease_token is exhausted (it never cycles, "
-            "so no token is ever handed out twice); tokens cannot be issued any more"
-        )
-    return None
-
-
-def schema_not_installed(conn: psycopg.Connection[Any], schema: str) -> SchemaNotInstalled:
-    """The error for a database without the lease schema, with the exact install command."""
-    try:
-        dsn = conn.info.dsn  # libpq leaves the password out
-        db = conn.info.dbname
-    except Exception:
-        dsn, db = "<your DSN>", "?"
-    command = f"pglock install --dsn {shlex.quote(dsn)} --schema {schema}"
-    return SchemaNotInstalled(
-        schema,
-        message=(
-            f"the pglock schema {schema!r} is not installed (or is out of date) in database "
-            f"{db!r}; install it with: {command}  (or include pglock's migrations in your "
-            "Alembic and run 'alembic upgrade pglock@head')"
-        ),
+    return _ttl.run(
+        LEASES, source, kind, schema, _stmt(kind, schema), params,
+        binary=kind == "extend_many", timeout=timeout, deadline=deadline,
     )
 
 
@@ -1239,7 +1100,7 @@ class Lease:
             found = _conn.fetch(pg, _stmt("guard", self._schema), (self._name, self._holder, token))
             row = found[0][0] if found[0] else None
         except psycopg.Error as exc:
-            translated = _translate(exc, pg, self._schema)
+            translated = _ttl.translate(exc, pg, self._schema)
             if translated is None:
                 raise
             raise translated from exc
@@ -1419,7 +1280,7 @@ def _query(
     except psycopg.Error as exc:
         if own and not pg.broken:
             pg.rollback()
-        translated = _translate(exc, pg, schema)
+        translated = _ttl.translate(exc, pg, schema)
         if translated is None:
             raise
         raise translated from exc

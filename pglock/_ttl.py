@@ -1,4 +1,5 @@
-"""The TTL-row client that leases and semaphores share: NOTIFY listeners and waiter queues.
+"""The TTL-row client that leases and semaphores share: statements on a source, NOTIFY
+listeners and waiter queues.
 
 ``Lease`` and ``Semaphore`` implement only their hooks (an attempt, what a grant of theirs
 holds). The design is in docs/how-it-works.md, "Leases and semaphores".
@@ -11,17 +12,24 @@ import logging
 import math
 import os
 import random
+import shlex
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import psycopg
+from psycopg import errors as pg_errors
+from psycopg import sql
+from psycopg.pq import TransactionStatus
 
+from . import _conn, _sql
 from ._keys import remaining as _remaining
 from ._source import Source, close_dsn_sources, count, listen_deadline, open_listening
+from .errors import InvalidConnectionState, LockError, SchemaNotInstalled
 
 logger = logging.getLogger("pglock.ttl")
 
@@ -34,6 +42,10 @@ DEGRADED_POLL = (0.05, 1.0)
 LISTENER_IDLE = 30.0
 #: How often a listener looks up from its connection (idle check, stop requests).
 _LISTENER_TICK = 0.5
+#: How many times a statement that failed with a serialization failure or a deadlock
+#: (possible under a REPEATABLE READ or SERIALIZABLE default isolation) is sent again (in an
+#: explicit READ COMMITTED transaction).
+_RETRIES = 5
 
 #: What an attempt returns: the grant (None: not granted), whether the database refused it
 #: (rather than giving no answer, or a grant that came too late), and when to look again
@@ -62,6 +74,214 @@ class Rows:
     @property
     def log(self) -> logging.Logger:
         return logging.getLogger(f"pglock.{self.user}")
+
+
+# --- statements ----------------------------------------------------------------------------------
+
+#: Rows of a statement's result.
+Result = list[tuple[Any, ...]]
+
+
+def run(
+    rows: Rows,
+    source: Source,
+    kind: str,
+    schema: str,
+    query: bytes | sql.Composed,
+    params: tuple[Any, ...] | None = None,
+    *,
+    binary: bool = False,
+    timeout: float | None = None,
+    deadline: float | None = None,
+) -> tuple[Result, bool]:
+    """Send one statement of ``rows`` on a connection of its own from ``source``; return its
+    rows and whether it was sent a second time, on a new connection, because its connection
+    died under it (:meth:`Source.run_once_more`: the caller's statements must be safe to send
+    again).
+
+    :param kind: which statement (``"acquire"``, ``"extend_many"``, ...): for the log, the
+        messages and :data:`pglock._source.statements` (after :attr:`Rows.prefix`).
+    :param params: the parameters of one statement; None: ``query`` is a batch with its values
+        as literals and its own transaction control (``BEGIN ...; COMMIT``), sent as it is.
+    :param binary: binary results (cheaper to parse for big batches).
+    :param timeout: the longest wait for a pool connection.
+    :param deadline: the ``time.monotonic()`` instant the statement is cut off at
+        (:class:`NoAnswer`, a ``psycopg.OperationalError``: the outcome is unknown).
+    :raises pglock.SchemaNotInstalled: the schema's objects are missing.
+    """
+    return source.run_once_more(
+        lambda conn: execute(conn, rows, kind, schema, query, params, binary),
+        rows.user, kind, timeout, deadline,
+    )
+
+
+def execute(
+    conn: psycopg.Connection[Any],
+    rows: Rows,
+    kind: str,
+    schema: str,
+    query: bytes | sql.Composed,
+    params: tuple[Any, ...] | None,
+    binary: bool = False,
+) -> Result:
+    """One statement (or batch, see :func:`run`) in autocommit on ``conn``, restoring its
+    autocommit setting; the rows of its last row-returning statement."""
+    if conn.info.transaction_status != TransactionStatus.IDLE:
+        raise InvalidConnectionState(
+            f"the pool handed out a connection inside a transaction; pglock runs {rows.user} "
+            "statements in their own transactions"
+        )
+    restore = not conn.autocommit
+    if restore:
+        conn.autocommit = True
+    try:
+        if params is None:
+            count(rows.prefix + kind)
+            return _batch(conn, query)
+        return _with_retries(conn, rows, kind, query, params, binary)
+    except psycopg.Error as exc:
+        translated = translate(exc, conn, schema)
+        if translated is None:
+            raise
+        raise translated from exc
+    finally:
+        if restore and not (conn.closed or conn.broken):
+            try:
+                conn.autocommit = False
+            except psycopg.Error:
+                logger.debug("could not restore autocommit=False", exc_info=True)
+
+
+def _batch(conn: psycopg.Connection[Any], query: bytes | sql.Composed) -> Result:
+    """A batch in one round trip; one that failed inside its own transaction is rolled back."""
+    try:
+        results = _conn.fetch(conn, query)
+    except psycopg.Error:
+        _rollback(conn)
+        raise
+    return results[-1] if results else []
+
+
+def _with_retries(
+    conn: psycopg.Connection[Any],
+    rows: Rows,
+    kind: str,
+    query: bytes | sql.Composed,
+    params: tuple[Any, ...],
+    binary: bool,
+) -> Result:
+    """One statement; sent again at READ COMMITTED (:func:`_read_committed`) when the session's
+    own timeouts cut it short or its default isolation level failed it."""
+    state = _conn.state_for(conn)
+    for attempt in range(_RETRIES + 1):
+        count(rows.prefix + kind)
+        try:
+            if attempt == 0 and not state.session_timeouts:
+                return _conn.fetch(conn, query, params, binary=binary)[0]
+            return _read_committed(conn, rows, query, params, binary)
+        except (pg_errors.QueryCanceled, pg_errors.LockNotAvailable):
+            # The session's own statement_timeout or lock_timeout (ALTER ROLE app SET
+            # statement_timeout = '300ms') must not end a wait of pglock's: sent again with
+            # them off (LEASE_RETRY_BEGIN), and so from now on on this connection. With
+            # none set it was a cancel, which stands.
+            if attempt or state.session_timeouts or not _session_timeouts(conn):
+                raise
+            state.session_timeouts = True
+        except (pg_errors.SerializationFailure, pg_errors.DeadlockDetected) as exc:
+            # Under a REPEATABLE READ or SERIALIZABLE default isolation, concurrent statements
+            # fail this way (the functions are written for READ COMMITTED, where they follow
+            # concurrent changes). Each is its own transaction, rolled back whole: it is sent
+            # again at READ COMMITTED, where only a deadlock can fail it again. Retrying at
+            # the default level could fail every time under contention between processes.
+            if attempt == _RETRIES or conn.info.transaction_status != TransactionStatus.IDLE:
+                raise
+            rows.log.debug(
+                "%s statement %r: %s; sending it again at READ COMMITTED",
+                rows.user, kind, type(exc).__name__,
+            )
+            if attempt or isinstance(exc, pg_errors.DeadlockDetected):
+                time.sleep(random.uniform(0.001, 0.005) * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _session_timeouts(conn: psycopg.Connection[Any]) -> bool:
+    """Does the session of ``conn`` (idle, autocommit) have a statement or lock timeout?"""
+    if conn.closed or conn.broken or conn.info.transaction_status != TransactionStatus.IDLE:
+        return False
+    return bool(_conn.fetch(conn, _sql.SESSION_TIMEOUTS)[0][0][0])
+
+
+def _read_committed(
+    conn: psycopg.Connection[Any],
+    rows: Rows,
+    query: bytes | sql.Composed,
+    params: tuple[Any, ...],
+    binary: bool,
+) -> Result:
+    """``query`` in an explicit READ COMMITTED transaction on the autocommit ``conn``, the
+    session's timeouts off: three round trips, only for a statement that already failed at the
+    session's default level, or on a session with timeouts of its own."""
+    count(rows.prefix + "retry_read_committed")
+    _conn.fetch(conn, _retry_sql("begin"))
+    try:
+        found = _conn.fetch(conn, query, params, binary=binary)[0]
+        _conn.fetch(conn, _retry_sql("commit"))
+        return found
+    except BaseException:
+        _rollback(conn)
+        raise
+
+
+def _rollback(conn: psycopg.Connection[Any]) -> None:
+    """Roll back the transaction a failed statement left open on ``conn``, if any."""
+    if not (conn.closed or conn.broken) and (
+        conn.info.transaction_status != TransactionStatus.IDLE
+    ):
+        try:
+            _conn.fetch(conn, _retry_sql("rollback"))
+        except psycopg.Error:
+            logger.debug("rolling back a failed statement failed", exc_info=True)
+
+
+@lru_cache(maxsize=4)
+def _retry_sql(which: str) -> bytes:
+    stmt: sql.SQL = getattr(_sql, f"LEASE_RETRY_{which.upper()}")
+    return stmt.as_bytes(None)
+
+
+def translate(
+    exc: psycopg.Error, conn: psycopg.Connection[Any], schema: str
+) -> Exception | None:
+    """The pglock error for a Postgres error of a TTL-row statement, by SQLSTATE (None: it
+    passes unchanged)."""
+    if isinstance(
+        exc, (pg_errors.UndefinedFunction, pg_errors.UndefinedTable, pg_errors.InvalidSchemaName)
+    ):
+        return schema_not_installed(conn, schema)
+    if isinstance(exc, pg_errors.SequenceGeneratorLimitExceeded):
+        return LockError(
+            f"the fencing-token sequence {schema}.lease_token is exhausted (it never cycles, "
+            "so no token is ever handed out twice); tokens cannot be issued any more"
+        )
+    return None
+
+
+def schema_not_installed(conn: psycopg.Connection[Any], schema: str) -> SchemaNotInstalled:
+    """The error for a database without the pglock schema, with the exact install command."""
+    try:
+        dsn = conn.info.dsn  # libpq leaves the password out
+        db = conn.info.dbname
+    except Exception:
+        dsn, db = "<your DSN>", "?"
+    command = f"pglock install --dsn {shlex.quote(dsn)} --schema {schema}"
+    return SchemaNotInstalled(
+        schema,
+        message=(
+            f"the pglock schema {schema!r} is not installed (or is out of date) in database "
+            f"{db!r}; install it with: {command}  (or include pglock's migrations in your "
+            "Alembic and run 'alembic upgrade pglock@head')"
+        ),
+    )
 
 
 # --- waiter queues and NOTIFY listeners ---------------------------------------------------------
