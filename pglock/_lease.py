@@ -54,7 +54,6 @@ import threading
 import time
 import uuid
 import weakref
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -101,10 +100,6 @@ MAX_HOLDER_BYTES = 256
 
 #: Wake this much after the holder's expiry, so the server sees it expired.
 _EXPIRY_MARGIN = 0.002
-#: The keepalive scheduler looks up at least this often (seconds), leases or not.
-_KEEPALIVE_TICK = 5.0
-#: A renewal worker (one per source and schema) with nothing to do for this long exits.
-_WORKER_IDLE = 30.0
 
 _DEFAULT: Any = object()
 _NEW, _HELD, _RELEASED = "new", "held", "released"
@@ -264,208 +259,8 @@ def make_source(source: object) -> Source:
     return _make_source(source, "lease")
 
 
-# --- the process-wide manager: the keepalive ---------------------------------------------------
+# --- one live handle per holder id ---------------------------------------------------------------
 
-
-class _Worker:
-    """The renewal thread of one (source, schema) and its batches, run one after another."""
-
-    __slots__ = ("batches", "cond", "thread")
-
-    def __init__(self, lock: threading.Lock) -> None:
-        self.batches: deque[list[Lease]] = deque()
-        self.cond = threading.Condition(lock)
-        self.thread: threading.Thread | None = None
-
-
-class _Manager:
-    """Process-wide state: the held leases and their keepalive.
-
-    The keepalive is a scheduler thread and one worker thread per (source, schema). The
-    scheduler never sends a statement: it hands due leases to their group's worker in one
-    batch, and declares a lease lost at its client deadline, whether or not a renewal of it
-    is still running (a silent network may hold one until its statement deadline). A worker
-    sends one batch at a time; a group whose worker is busy gets its next batch when the
-    worker is done, without holding up any other group.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.cond = threading.Condition(self.lock)  # the keepalive scheduler sleeps on it
-        self.leases: set[Lease] = set()
-        self.thread: threading.Thread | None = None
-        #: When the sleeping scheduler wakes next (-inf while it is awake).
-        self.next_wake = -math.inf
-        #: Renewal workers per (source key, schema).
-        self.workers: dict[tuple[Any, ...], _Worker] = {}
-
-    # -- held leases and the keepalive ---------------------------------------------------------
-
-    def register(self, lease: Lease) -> None:
-        with self.lock:
-            self.leases.add(lease)
-            if self.thread is None or not self.thread.is_alive():
-                self.thread = threading.Thread(
-                    target=self._keepalive, name="pglock-lease-keepalive", daemon=True
-                )
-                self.next_wake = -math.inf
-                self.thread.start()
-            elif min(lease._renew_due(), lease._deadline) < self.next_wake:
-                # Only when the new lease is due before the thread's next wake-up: a stream of
-                # acquires must not make it rescan every held lease each time.
-                self.cond.notify()
-        _ttl._waiters_().hold(lease._qkey, lease)
-
-    def unregister(self, lease: Lease, *, notified: bool = False) -> None:
-        """Forget a lease that is no longer held; wake the local waiters for its name."""
-        with self.lock:
-            self.leases.discard(lease)
-        _ttl._waiters_().ended(lease._qkey, lease, notified=notified)
-
-    def _keepalive(self) -> None:
-        while True:
-            try:
-                self._schedule()
-            except Exception:  # a bug here must not stop every renewal in the process
-                logger.exception("pglock's lease keepalive failed; it goes on")
-                time.sleep(0.1)
-
-    def _schedule(self) -> None:
-        """The scheduler's loop: losses at their deadline, batches to the workers, sleep."""
-        while True:
-            with self.lock:
-                now = time.monotonic()
-                lost, batches, wake_at = self._scan(now)
-                for group, leases in batches.items():
-                    self._dispatch(group, leases)
-                if not lost:
-                    if batches:
-                        continue  # look again: the leases handed out are no longer due
-                    # Look up at least every few seconds, so that registering a lease due later
-                    # than that needs no wake-up (a thread switch per acquire otherwise).
-                    wake_at = min(wake_at, now + _KEEPALIVE_TICK)
-                    self.next_wake = wake_at
-                    self.cond.wait(max(0.0, wake_at - now))
-                    self.next_wake = -math.inf  # awake: it rescans before sleeping again
-                    continue
-            for lease, reason in lost:
-                lease._lose(reason)
-
-    def _scan(
-        self, now: float
-    ) -> tuple[list[tuple[Lease, str]], dict[tuple[Any, ...], list[Lease]], float]:
-        """With the lock held: the leases past their deadline, the renewal batches due now
-        (marked as renewing), and when to look again."""
-        lost: list[tuple[Lease, str]] = []
-        wake_at = math.inf
-        due_groups: set[tuple[Any, ...]] = set()
-        for lease in self.leases:
-            if lease._state != _HELD or lease._lost:
-                continue  # being released, or lost: about to leave the set
-            if now >= lease._deadline:
-                lost.append((lease, "its TTL ran out before a renewal succeeded"))
-                continue
-            wake_at = min(wake_at, lease._deadline)
-            if not lease._keepalive or lease._renewing:
-                continue  # a renewal in flight: only its deadline counts
-            due = lease._renew_due()
-            if now >= due:
-                due_groups.add(lease._group)
-            else:
-                wake_at = min(wake_at, due)
-        batches: dict[tuple[Any, ...], list[Lease]] = {}
-        if due_groups:
-            for lease in self.leases:
-                if (
-                    lease._keepalive
-                    and lease._group in due_groups
-                    and not lease._renewing
-                    and lease._state == _HELD
-                    and not lease._lost
-                    and lease._renew_soon() <= now < lease._deadline
-                ):
-                    lease._renewing = True
-                    batches.setdefault(lease._group, []).append(lease)
-        return lost, batches, wake_at
-
-    def _dispatch(self, group: tuple[Any, ...], leases: list[Lease]) -> None:
-        """With the lock held: hand a batch to its group's worker (started if needed)."""
-        worker = self.workers.get(group)
-        if worker is None:
-            worker = self.workers[group] = _Worker(self.lock)
-        worker.batches.append(leases)
-        if worker.thread is None:
-            worker.thread = threading.Thread(
-                target=self._work,
-                args=(group, worker),
-                name=f"pglock-lease-renewal-{group[1]}",
-                daemon=True,
-            )
-            worker.thread.start()
-        else:
-            worker.cond.notify()
-
-    def _work(self, group: tuple[Any, ...], worker: _Worker) -> None:
-        """A worker's loop: renew its group's batches; exit after a while without any."""
-        while True:
-            with self.lock:
-                while not worker.batches:
-                    if not worker.cond.wait(_WORKER_IDLE) and not worker.batches:
-                        worker.thread = None
-                        if self.workers.get(group) is worker:
-                            del self.workers[group]
-                        return
-                leases = worker.batches.popleft()
-            try:
-                self._renew(leases)
-            except Exception:  # a bug here must not stop the group's renewals
-                logger.exception("pglock's lease renewal failed; it goes on")
-            finally:
-                with self.lock:
-                    for lease in leases:
-                        lease._renewing = False
-                    self.cond.notify()  # the scheduler looks again: due times moved
-
-    def _renew(self, leases: list[Lease]) -> None:
-        source, schema = leases[0]._source, leases[0]._schema
-        snaps = [snap for snap in map(Lease._snapshot, leases) if snap is not None]
-        if not snaps:
-            return
-        names = [s[1] for s in snaps]
-        holders = [s[2] for s in snaps]
-        tokens = [s[3] for s in snaps]
-        ttls = [s[4] for s in snaps]
-        durable = any(s[0]._durable for s in snaps)
-        sent = time.monotonic()
-        # Waiting longer than the earliest deadline would only hide a loss; an answer after it
-        # is cut off (a silent network must not hold the worker past it).
-        wait = max(0.05, min(s[0]._deadline for s in snaps) - sent)
-        try:
-            rows = _run(
-                source, "extend_many", schema, (names, holders, tokens, ttls, durable, wait),
-                timeout=wait, deadline=sent + wait,
-            )
-        except Exception as exc:
-            logger.info("renewing %d lease(s) failed, retrying: %r", len(snaps), exc)
-            for lease, *_ in snaps:
-                lease._renew_failed(sent)
-            return
-        received = time.monotonic()
-        renewed = {(r[0], r[1]): r[2] for r in rows}
-        for lease, name, _holder, token, ttl, gen in snaps:
-            expires_at = renewed.get((name, token))
-            if expires_at is not None:
-                lease._renewed(gen, sent, ttl, expires_at, received)
-            else:
-                lease._lose(
-                    "the renewal found it no longer held (expired, taken over, or released "
-                    "elsewhere)",
-                    gen=gen,
-                )
-
-
-_manager_lock = threading.Lock()
-_the_manager: _Manager | None = None
 
 #: The handle of each (database, schema, name, holder id) that is acquiring, holding or
 #: releasing it in this process (see :meth:`Lease._claim`).
@@ -486,23 +281,9 @@ def _prune_claims() -> None:
     _claims_prune_at = max(1024, 2 * len(_claims))
 
 
-def _mgr() -> _Manager:
-    global _the_manager
-    m = _the_manager
-    if m is None:
-        with _manager_lock:
-            if _the_manager is None:
-                _the_manager = _Manager()
-            m = _the_manager
-    return m
-
-
 def _after_fork_in_child() -> None:
-    # Threads and connections do not survive a fork: the child starts from nothing, and the
-    # parent's leases stay the parent's (the child must not renew or release them).
-    global _the_manager, _manager_lock, _claims_lock
-    _the_manager = None
-    _manager_lock = threading.Lock()
+    # The parent's leases stay the parent's (the child must not renew or release them).
+    global _claims_lock
     _claims.clear()
     _claims_lock = threading.Lock()
 
@@ -534,7 +315,7 @@ class LeaseInfo:
     expires_in: float
 
 
-class Lease:
+class Lease(_ttl.Held):
     """A TTL lease on a name, with a fencing token; see :func:`lease`.
 
     Thread safety: a ``Lease`` may be shared between threads (``check()``, ``guard()`` and the
@@ -606,7 +387,7 @@ class Lease:
         self._sent_at = 0.0
         self._deadline = -math.inf
         self._retry_at: float | None = None
-        self._renewing = False  # guarded by the manager's lock
+        self._renewing = False  # guarded by the keepalive's lock
         self._refused: tuple[str | None, datetime | None] | None = None  # (holder, until)
         #: Why the last acquire did not grant, when not refused by a holder (no answer, a
         #: grant that came too late): for the LockNotAcquired message.
@@ -824,7 +605,7 @@ class Lease:
             self._deadline = sent + self._ttl
             self._retry_at = None
         logger.debug("acquired lease %r (token %s)", self._name, token)
-        _mgr().register(self)
+        _ttl.register(self)
         return True
 
     def _give_back(self, token: int, took: float) -> None:
@@ -940,9 +721,8 @@ class Lease:
                 was_lost, reason = self._lost, self._lost_reason
                 token = self._token
                 superseded = self._superseded
-            mgr = _mgr()
             if superseded:
-                mgr.unregister(self)
+                _ttl.unregister(self)
                 raise LockLost(
                     self._name,
                     reason=reason or "another handle of this process took it over",
@@ -953,7 +733,7 @@ class Lease:
                     deadline=short_deadline(self._ttl),
                 )
             except BaseException:
-                mgr.unregister(self)
+                _ttl.unregister(self)
                 logger.warning(
                     "could not release lease %r; it stays until it expires", self._name,
                     exc_info=True,
@@ -962,7 +742,7 @@ class Lease:
             finally:
                 self._unclaim()
             status, notified = rows[0]
-            mgr.unregister(self, notified=bool(notified))
+            _ttl.unregister(self, notified=bool(notified))
             if status == "released":
                 logger.debug("released lease %r (token %s)", self._name, token)
                 return
@@ -1120,7 +900,7 @@ class Lease:
             self._ensure_valid()
             raise LockLost(self._name, reason="guard found it no longer held")
 
-    # -- internals used by the manager -------------------------------------------------------
+    # -- internals used by the keepalive -----------------------------------------------------
 
     def _ensure_valid(self) -> None:
         with self._lock:
@@ -1140,14 +920,8 @@ class Lease:
                 reason = self._lost_reason
             raise LockLost(self._name, reason=reason)
 
-    def _renew_due(self) -> float:
-        retry = self._retry_at
-        return retry if retry is not None else self._sent_at + self._ttl / 3
-
-    def _renew_soon(self) -> float:
-        # Renew early to share a round: anything past half its interval comes along.
-        retry = self._retry_at
-        return retry if retry is not None else self._sent_at + self._ttl / 6
+    def _live(self) -> bool:
+        return self._state == _HELD and not self._lost
 
     def _snapshot(self) -> tuple[Lease, str, str, int, float, int] | None:
         with self._lock:
@@ -1176,9 +950,44 @@ class Lease:
                 "a renewal's answer arrived after the lease's client deadline", gen=gen
             )
 
-    def _renew_failed(self, sent: float) -> None:
-        with self._lock:
-            self._retry_at = sent + min(1.0, max(0.05, self._ttl / 10))
+    @classmethod
+    def _renew_batch(cls, leases: list[Lease]) -> None:
+        """One ``extend_many`` for the due leases of a (source, schema)."""
+        source, schema = leases[0]._source, leases[0]._schema
+        snaps = [snap for snap in map(Lease._snapshot, leases) if snap is not None]
+        if not snaps:
+            return
+        names = [s[1] for s in snaps]
+        holders = [s[2] for s in snaps]
+        tokens = [s[3] for s in snaps]
+        ttls = [s[4] for s in snaps]
+        durable = any(s[0]._durable for s in snaps)
+        sent = time.monotonic()
+        # Waiting longer than the earliest deadline would only hide a loss; an answer after it
+        # is cut off (a silent network must not hold the worker past it).
+        wait = max(0.05, min(s[0]._deadline for s in snaps) - sent)
+        try:
+            rows = _run(
+                source, "extend_many", schema, (names, holders, tokens, ttls, durable, wait),
+                timeout=wait, deadline=sent + wait,
+            )
+        except Exception as exc:
+            logger.info("renewing %d lease(s) failed, retrying: %r", len(snaps), exc)
+            for lease, *_ in snaps:
+                lease._renew_failed(sent)
+            return
+        received = time.monotonic()
+        renewed = {(r[0], r[1]): r[2] for r in rows}
+        for lease, name, _holder, token, ttl, gen in snaps:
+            expires_at = renewed.get((name, token))
+            if expires_at is not None:
+                lease._renewed(gen, sent, ttl, expires_at, received)
+            else:
+                lease._lose(
+                    "the renewal found it no longer held (expired, taken over, or released "
+                    "elsewhere)",
+                    gen=gen,
+                )
 
     def _lose(self, reason: str, gen: int | None = None) -> None:
         with self._lock:
@@ -1186,7 +995,7 @@ class Lease:
                 return
             self._lost = True
             self._lost_reason = reason
-        _mgr().unregister(self)
+        _ttl.unregister(self)
         if self._keepalive:
             logger.warning("lease %r (token %s) was lost: %s", self._name, self._token, reason)
         else:

@@ -1,8 +1,9 @@
 """The TTL-row client that leases and semaphores share: statements on a source, NOTIFY
-listeners and waiter queues.
+listeners and waiter queues, and the keepalive.
 
-``Lease`` and ``Semaphore`` implement only their hooks (an attempt, what a grant of theirs
-holds). The design is in docs/how-it-works.md, "Leases and semaphores".
+``Lease`` and ``Semaphore`` implement only their hooks: an attempt (:func:`wait`), a renewal
+and a loss (:class:`Held`), a release. The design is in docs/how-it-works.md, "Leases and
+semaphores".
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -33,6 +34,8 @@ from .errors import InvalidConnectionState, LockError, SchemaNotInstalled
 
 logger = logging.getLogger("pglock.ttl")
 
+H = TypeVar("H", bound="Held")
+
 #: How long a waiter sleeps at most between looks at the database while its NOTIFY listener
 #: is up (jittered): a safety net for releases that send no NOTIFY (a row deleted by hand).
 FALLBACK_POLL = (2.0, 4.0)
@@ -42,6 +45,10 @@ DEGRADED_POLL = (0.05, 1.0)
 LISTENER_IDLE = 30.0
 #: How often a listener looks up from its connection (idle check, stop requests).
 _LISTENER_TICK = 0.5
+#: The keepalive scheduler looks up at least this often (seconds), grants or not.
+_KEEPALIVE_TICK = 5.0
+#: A renewal worker (one per source and schema) with nothing to do for this long exits.
+_WORKER_IDLE = 30.0
 #: How many times a statement that failed with a serialization failure or a deadlock
 #: (possible under a REPEATABLE READ or SERIALIZABLE default isolation) is sent again (in an
 #: explicit READ COMMITTED transaction).
@@ -659,10 +666,255 @@ def _listen(
     return lst, created or (first and rows.look_again_on_subscribe)
 
 
+# --- the keepalive -------------------------------------------------------------------------------
+
+
+class Held:
+    """A grant that the keepalive renews: a lease handle, a semaphore permit.
+
+    A subclass sets ``_lock`` (guarding the fields below), ``_source`` and ``_schema`` (where
+    it renews), ``_group`` (``(source key, schema)``: its renewal worker), ``_ttl``, and
+    ``_sent_at``/``_deadline`` (``time.monotonic()``: the last successful grant or renewal was
+    sent then, and is believed until then); ``_qkey`` is the shared wait queue of the name it
+    holds (None: none). It implements :meth:`_live`, :meth:`_lose` and :meth:`_renew_batch`.
+    """
+
+    _lock: threading.Lock
+    _source: Source
+    _schema: str
+    _group: tuple[Any, ...]
+    _ttl: float
+    _sent_at: float
+    _deadline: float
+    _qkey: tuple[Any, ...] | None = None
+    #: False: nothing renews it (it is lost at its deadline all the same).
+    _keepalive = True
+    #: When to try again after a failed renewal (None: at the usual time).
+    _retry_at: float | None = None
+    #: A renewal of it is in flight (guarded by the keepalive's lock).
+    _renewing = False
+
+    def _live(self) -> bool:
+        """Held and not known lost (read without the lock by the scheduler)."""
+        raise NotImplementedError
+
+    def _lose(self, reason: str) -> None:
+        """Declare it lost (once): stop renewing it (:func:`unregister`), log, tell the user."""
+        raise NotImplementedError
+
+    @classmethod
+    def _renew_batch(cls: type[H], items: list[H]) -> None:
+        """Renew ``items`` (all of this class, one source and schema) in one statement, and
+        apply its answer; a failure calls :meth:`_renew_failed`."""
+        raise NotImplementedError
+
+    def _renew_due(self) -> float:
+        retry = self._retry_at
+        return retry if retry is not None else self._sent_at + self._ttl / 3
+
+    def _renew_soon(self) -> float:
+        # Renew early to share a round: anything past half its interval comes along.
+        retry = self._retry_at
+        return retry if retry is not None else self._sent_at + self._ttl / 6
+
+    def _renew_failed(self, sent: float) -> None:
+        with self._lock:
+            self._retry_at = sent + min(1.0, max(0.05, self._ttl / 10))
+
+
+class _Worker:
+    """The renewal thread of one (source, schema) and its batches, run one after another."""
+
+    __slots__ = ("batches", "cond", "thread")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.batches: deque[list[Held]] = deque()
+        self.cond = threading.Condition(lock)
+        self.thread: threading.Thread | None = None
+
+
+class _Keepalive:
+    """The grants held in the process and their renewal.
+
+    A scheduler thread and one worker thread per (source, schema). The scheduler never sends a
+    statement: it hands due grants to their group's worker in one batch, and declares a grant
+    lost at its client deadline, whether or not a renewal of it is still running (a silent
+    network may hold one until its statement deadline). A worker sends one batch at a time, one
+    statement per kind of grant; a group whose worker is busy gets its next batch when the
+    worker is done, without holding up any other group.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)  # the scheduler sleeps on it
+        self.held: set[Held] = set()
+        self.thread: threading.Thread | None = None
+        #: When the sleeping scheduler wakes next (-inf while it is awake).
+        self.next_wake = -math.inf
+        #: Renewal workers per (source key, schema).
+        self.workers: dict[tuple[Any, ...], _Worker] = {}
+
+    def register(self, item: Held) -> None:
+        with self.lock:
+            self.held.add(item)
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(
+                    target=self._run, name="pglock-keepalive", daemon=True
+                )
+                self.next_wake = -math.inf
+                self.thread.start()
+            elif min(item._renew_due(), item._deadline) < self.next_wake:
+                # Only when the new grant is due before the thread's next wake-up: a stream of
+                # acquires must not make it rescan every held grant each time.
+                self.cond.notify()
+
+    def unregister(self, item: Held) -> None:
+        with self.lock:
+            self.held.discard(item)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._schedule()
+            except Exception:  # a bug here must not stop every renewal in the process
+                logger.exception("pglock's keepalive failed; it goes on")
+                time.sleep(0.1)
+
+    def _schedule(self) -> None:
+        """The scheduler's loop: losses at their deadline, batches to the workers, sleep."""
+        while True:
+            with self.lock:
+                now = time.monotonic()
+                lost, batches, wake_at = self._scan(now)
+                for group, items in batches.items():
+                    self._dispatch(group, items)
+                if not lost:
+                    if batches:
+                        continue  # look again: the grants handed out are no longer due
+                    # Look up at least every few seconds, so that registering a grant due later
+                    # than that needs no wake-up (a thread switch per acquire otherwise).
+                    wake_at = min(wake_at, now + _KEEPALIVE_TICK)
+                    self.next_wake = wake_at
+                    self.cond.wait(max(0.0, wake_at - now))
+                    self.next_wake = -math.inf  # awake: it rescans before sleeping again
+                    continue
+            for item in lost:
+                item._lose("its TTL ran out before a renewal succeeded")
+
+    def _scan(self, now: float) -> tuple[list[Held], dict[tuple[Any, ...], list[Held]], float]:
+        """With the lock held: the grants past their deadline, the renewal batches due now
+        (marked as renewing), and when to look again."""
+        lost: list[Held] = []
+        wake_at = math.inf
+        due_groups: set[tuple[Any, ...]] = set()
+        for item in self.held:
+            if not item._live():
+                continue  # being released, or lost: about to leave the set
+            if now >= item._deadline:
+                lost.append(item)
+                continue
+            wake_at = min(wake_at, item._deadline)
+            if not item._keepalive or item._renewing:
+                continue  # a renewal in flight: only its deadline counts
+            due = item._renew_due()
+            if now >= due:
+                due_groups.add(item._group)
+            else:
+                wake_at = min(wake_at, due)
+        batches: dict[tuple[Any, ...], list[Held]] = {}
+        if due_groups:
+            for item in self.held:
+                if (
+                    item._keepalive
+                    and item._group in due_groups
+                    and not item._renewing
+                    and item._live()
+                    and item._renew_soon() <= now < item._deadline
+                ):
+                    item._renewing = True
+                    batches.setdefault(item._group, []).append(item)
+        return lost, batches, wake_at
+
+    def _dispatch(self, group: tuple[Any, ...], items: list[Held]) -> None:
+        """With the lock held: hand a batch to its group's worker (started if needed)."""
+        worker = self.workers.get(group)
+        if worker is None:
+            worker = self.workers[group] = _Worker(self.lock)
+        worker.batches.append(items)
+        if worker.thread is None:
+            worker.thread = threading.Thread(
+                target=self._work,
+                args=(group, worker),
+                name=f"pglock-renewal-{group[1]}",
+                daemon=True,
+            )
+            worker.thread.start()
+        else:
+            worker.cond.notify()
+
+    def _work(self, group: tuple[Any, ...], worker: _Worker) -> None:
+        """A worker's loop: renew its group's batches; exit after a while without any."""
+        while True:
+            with self.lock:
+                while not worker.batches:
+                    if not worker.cond.wait(_WORKER_IDLE) and not worker.batches:
+                        worker.thread = None
+                        if self.workers.get(group) is worker:
+                            del self.workers[group]
+                        return
+                items = worker.batches.popleft()
+            try:
+                self._renew(items)
+            finally:
+                with self.lock:
+                    for item in items:
+                        item._renewing = False
+                    self.cond.notify()  # the scheduler looks again: due times moved
+
+    @staticmethod
+    def _renew(items: list[Held]) -> None:
+        """One statement per kind of grant in the batch."""
+        kinds: dict[type[Held], list[Held]] = {}
+        for item in items:
+            kinds.setdefault(type(item), []).append(item)
+        for kind, batch in kinds.items():
+            try:
+                kind._renew_batch(batch)
+            except Exception:  # a bug here must not stop the group's renewals
+                logger.exception("pglock's renewal of %s failed; it goes on", kind.__name__)
+
+
+def register(item: Held) -> None:
+    """Renew ``item`` from now on, and report its loss at its deadline."""
+    _keepalive_().register(item)
+    if item._qkey is not None:
+        _waiters_().hold(item._qkey, item)
+
+
+def unregister(item: Held, *, notified: bool = False) -> None:
+    """Forget a grant that is no longer held; wake the local waiters of its name (unless its
+    release ``notified`` them through a healthy listener)."""
+    _keepalive_().unregister(item)
+    if item._qkey is not None:
+        _waiters_().ended(item._qkey, item, notified=notified)
+
+
 # --- the process-wide state ---------------------------------------------------------------------
 
 _state_lock = threading.Lock()
 _the_waiters: _Waiters | None = None
+_the_keepalive: _Keepalive | None = None
+
+
+def _keepalive_() -> _Keepalive:
+    global _the_keepalive
+    k = _the_keepalive
+    if k is None:
+        with _state_lock:
+            if _the_keepalive is None:
+                _the_keepalive = _Keepalive()
+            k = _the_keepalive
+    return k
 
 
 def _waiters_() -> _Waiters:
@@ -690,8 +942,10 @@ atexit.register(shutdown)
 
 
 def _after_fork_in_child() -> None:
-    # Threads and connections do not survive a fork: the child starts from nothing.
-    global _the_waiters, _state_lock
+    # Threads and connections do not survive a fork: the child starts from nothing, and the
+    # parent's grants stay the parent's (the child must not renew or release them).
+    global _the_keepalive, _the_waiters, _state_lock
+    _the_keepalive = None
     _the_waiters = None
     _state_lock = threading.Lock()
 
