@@ -402,7 +402,7 @@ class Semaphore:
         src = self._source
         if src is None:
             return
-        _ttl._waiters_().retire(self._wait_key(src)[:3])
+        _ttl._waiters.retire(self._wait_key(src)[:3])
         if isinstance(src, DsnSource):
             src.close()
 
@@ -557,7 +557,7 @@ class Semaphore:
         """Wake this object's first waiter (a local release: it tries at once)."""
         src = self._source
         if src is not None:
-            _ttl._waiters_().poke(self._wait_key(src), self)
+            _ttl._waiters.poke(self._wait_key(src), self)
 
     # -- releasing ------------------------------------------------------------------------
 

@@ -237,7 +237,7 @@ def test_statements_per_handoff_with_50_waiters(
 
 
 def _mgr_tickets(pool: ConnectionPool[Any], name: str) -> list[Any]:
-    waiters = _ttl._waiters_()
+    waiters = _ttl._waiters
     q = waiters.queues.get((("pool", id(pool)), "pglock", "pglock_lease", name), {}).get(None)
     return list(q.tickets) if q is not None else []
 

@@ -250,7 +250,7 @@ def test_locker_and_engine_sources(
             # A waiter through the engine LISTENs on a connection of its own.
             assert not via_engine.acquire(timeout=0.1)
             channel = _semaphore.semaphore_channel(schema)
-            listener = _ttl._waiters_().listeners[(("engine", id(engine)), schema, channel)]
+            listener = _ttl._waiters.listeners[(("engine", id(engine)), schema, channel)]
             assert listener.healthy
         via_engine.close()
     finally:
@@ -397,7 +397,7 @@ def test_waiters_wake_on_release_notify_not_a_poll(
 
 def queue_length(sem: pglock.Semaphore) -> int:
     """How many threads wait in ``sem``'s own queue (the shared client's, owned by ``sem``)."""
-    q = _ttl._waiters_().queues.get(sem._wait_key(sem._src()), {}).get(sem)
+    q = _ttl._waiters.queues.get(sem._wait_key(sem._src()), {}).get(sem)
     return len(q.tickets) if q is not None else 0
 
 
