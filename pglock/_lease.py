@@ -1,44 +1,10 @@
-"""TTL leases: a row per name in the pglock schema, fencing tokens, keepalive and waiting.
+"""TTL leases: ``Lease`` (a row per name in the pglock schema, with a fencing token), its
+argument checks, and ``lease_info``/``list_leases``.
 
-The database does the deciding: ``<schema>.acquire(...)`` grants, renews or refuses in one
-statement, on ``clock_timestamp()``; the row lock taken by ``guard()`` keeps a takeover out of
-the caller's transaction. This module is the client around it:
-
-* **Sources.** Every lease statement runs as one autocommit statement on a connection of its
-  own, checked out of the caller's ``psycopg_pool.ConnectionPool`` or SQLAlchemy ``Engine``, or
-  of a small set of connections pglock keeps per DSN string. Never inside the caller's
-  transaction: a lease taken there would be invisible to others until commit, and gone on
-  rollback. A statement whose connection dies under it is sent once more on a live one (lease
-  statements are idempotent per holder).
-* **Client deadline.** A lease is believed held until ``send time of the last successful
-  acquire/extend + ttl`` on ``time.monotonic()``: never longer than the server keeps it,
-  whatever the two clocks say. An answer that arrives after that deadline is not believed:
-  a grant is given back (and the waiter goes on waiting, or gets False), a renewal does not
-  bring a lost lease back.
-* **Statement deadlines.** Every lease statement has a client-side deadline
-  (:meth:`Source.run_once_more`): an acquire its timeout plus ``ANSWER_GRACE``, a renewal
-  the lease's client deadline, a release or a query a bound from the TTL. A statement that
-  gets no answer by then (a silent network) is cut off and its connection closed; the outcome
-  is unknown, so an acquire returns False (a grant it may have made expires at its TTL).
-* **Keepalive.** One scheduler thread per process decides when each live lease is renewed
-  (about ``ttl/3``) and declares a lease lost when its client deadline passes, whatever any
-  statement does. The renewals themselves run in one worker thread per (source, schema), one
-  ``extend_many`` statement per round for all its due leases: a source whose network went
-  silent delays only its own leases (which are lost at their deadline, ``on_lost`` and all),
-  never another source's. Leases that come due within the same half-interval ride in the same
-  round, so a process's leases converge on one statement per round. When a renewal finds the
-  lease gone, or the deadline passes first, the lease is lost: a WARNING is logged,
-  ``on_lost`` runs, and ``check()``/``extend()``/``guard()`` raise :class:`pglock.LockLost`.
-* **One handle per holder id.** Two live handles of one holder id on one lease in a process
-  would both be granted (the server re-enters the same holder), and the release of one would
-  end the other's lease behind its back: a second handle is refused with
-  :class:`pglock.errors.HolderInUse` before any SQL (``resume=True`` takes the lease over from
-  the first handle instead, which reports it lost).
-* **Waiting.** Within a process, waiters for one name queue up and only the first one talks to
-  the database. It wakes on the release ``NOTIFY`` (one listening connection per source and
-  schema, payload = the name), on a local release, at the holder's expiry (computed from the
-  server's own clock) and on a jittered fallback poll: a handoff costs the release and one
-  acquire, not one query per waiter.
+The database decides: ``<schema>.acquire(...)`` grants, renews or refuses in one statement, on
+``clock_timestamp()``. The shared TTL-row client (``_ttl.py``) sends the statements, waits and
+renews; this module holds the lease's hooks (its attempt, the batch renewal, the release),
+``guard()`` and the one-handle-per-holder-id rule. docs/how-it-works.md has the design.
 """
 
 from __future__ import annotations
@@ -292,7 +258,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-#: Close the NOTIFY listeners and the connections kept per DSN string (see :func:`_ttl.shutdown`).
+#: Close what pglock opened for leases and semaphores (:func:`_ttl.shutdown`).
 shutdown = _ttl.shutdown
 
 
