@@ -1,62 +1,25 @@
-"""TTL leases: a row per name in the pglock schema, fencing tokens, keepalive and waiting.
+"""TTL leases: ``Lease`` (a row per name in the pglock schema, with a fencing token), its
+argument checks, and ``lease_info``/``list_leases``.
 
-The database does the deciding: ``<schema>.acquire(...)`` grants, renews or refuses in one
-statement, on ``clock_timestamp()``; the row lock taken by ``guard()`` keeps a takeover out of
-the caller's transaction. This module is the client around it:
-
-* **Sources.** Every lease statement runs as one autocommit statement on a connection of its
-  own, checked out of the caller's ``psycopg_pool.ConnectionPool`` or SQLAlchemy ``Engine``, or
-  of a small set of connections pglock keeps per DSN string. Never inside the caller's
-  transaction: a lease taken there would be invisible to others until commit, and gone on
-  rollback. A statement whose connection dies under it is sent once more on a live one (lease
-  statements are idempotent per holder).
-* **Client deadline.** A lease is believed held until ``send time of the last successful
-  acquire/extend + ttl`` on ``time.monotonic()``: never longer than the server keeps it,
-  whatever the two clocks say. An answer that arrives after that deadline is not believed:
-  a grant is given back (and the waiter goes on waiting, or gets False), a renewal does not
-  bring a lost lease back.
-* **Statement deadlines.** Every lease statement has a client-side deadline
-  (:meth:`Source.run_once_more`): an acquire its timeout plus ``ANSWER_GRACE``, a renewal
-  the lease's client deadline, a release or a query a bound from the TTL. A statement that
-  gets no answer by then (a silent network) is cut off and its connection closed; the outcome
-  is unknown, so an acquire returns False (a grant it may have made expires at its TTL).
-* **Keepalive.** One scheduler thread per process decides when each live lease is renewed
-  (about ``ttl/3``) and declares a lease lost when its client deadline passes, whatever any
-  statement does. The renewals themselves run in one worker thread per (source, schema), one
-  ``extend_many`` statement per round for all its due leases: a source whose network went
-  silent delays only its own leases (which are lost at their deadline, ``on_lost`` and all),
-  never another source's. Leases that come due within the same half-interval ride in the same
-  round, so a process's leases converge on one statement per round. When a renewal finds the
-  lease gone, or the deadline passes first, the lease is lost: a WARNING is logged,
-  ``on_lost`` runs, and ``check()``/``extend()``/``guard()`` raise :class:`pglock.LockLost`.
-* **One handle per holder id.** Two live handles of one holder id on one lease in a process
-  would both be granted (the server re-enters the same holder), and the release of one would
-  end the other's lease behind its back: a second handle is refused with
-  :class:`pglock.errors.HolderInUse` before any SQL (``resume=True`` takes the lease over from
-  the first handle instead, which reports it lost).
-* **Waiting.** Within a process, waiters for one name queue up and only the first one talks to
-  the database. It wakes on the release ``NOTIFY`` (one listening connection per source and
-  schema, payload = the name), on a local release, at the holder's expiry (computed from the
-  server's own clock) and on a jittered fallback poll: a handoff costs the release and one
-  acquire, not one query per waiter.
+The database decides: ``<schema>.acquire(...)`` grants, renews or refuses in one statement, on
+``clock_timestamp()``. The shared TTL-row client (``_ttl.py``) sends the statements, waits and
+renews; this module holds the lease's hooks (its attempt, the batch renewal, the release),
+``guard()`` and the one-handle-per-holder-id rule. docs/how-it-works.md has the design.
 """
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import json
 import logging
 import math
 import os
 import random
-import shlex
 import socket
 import threading
 import time
 import uuid
 import weakref
-from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -64,13 +27,11 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg import errors as pg_errors
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
-from . import _conn, _sql
+from . import _conn, _sql, _ttl
 from ._classify import HELD, SOURCES, classify
-from ._keys import remaining as _remaining
 from ._keys import validate_flag, validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
 from ._source import (
@@ -79,9 +40,6 @@ from ._source import (
     WAIT_CHUNK,
     NoAnswer,
     Source,
-    close_dsn_sources,
-    listen_deadline,
-    open_listening,
     short_deadline,
 )
 from ._source import count as _count
@@ -90,10 +48,8 @@ from ._source import statements as _statements
 from .errors import (
     HolderInUse,
     InvalidConnectionState,
-    LockError,
     LockLost,
     LockNotAcquired,
-    SchemaNotInstalled,
 )
 
 if TYPE_CHECKING:
@@ -108,28 +64,14 @@ MAX_METADATA_BYTES = 65536
 #: The longest holder id accepted, in UTF-8 bytes.
 MAX_HOLDER_BYTES = 256
 
-#: How long a waiter sleeps at most between looks at the database while its NOTIFY listener
-#: is up (jittered): a safety net for releases that send no NOTIFY (a row deleted by hand).
-_FALLBACK_POLL = (2.0, 4.0)
-#: The same while the listener is down: a jittered backoff from the first to the second value.
-_DEGRADED_POLL = (0.05, 1.0)
 #: Wake this much after the holder's expiry, so the server sees it expired.
 _EXPIRY_MARGIN = 0.002
-#: A listener with no waiters for this long closes its connection.
-_LISTENER_IDLE = 30.0
-#: How often a listener looks up from its connection (idle check, stop requests).
-_LISTENER_TICK = 0.5
-#: How many times a lease statement that failed with a serialization failure or a deadlock
-#: (possible under a REPEATABLE READ or SERIALIZABLE default isolation) is sent again (in an
-#: explicit READ COMMITTED transaction).
-_RETRIES = 5
-#: The keepalive scheduler looks up at least this often (seconds), leases or not.
-_KEEPALIVE_TICK = 5.0
-#: A renewal worker (one per source and schema) with nothing to do for this long exits.
-_WORKER_IDLE = 30.0
 
 _DEFAULT: Any = object()
 _NEW, _HELD, _RELEASED = "new", "held", "released"
+
+#: Leases, to the shared TTL-row client.
+LEASES = _ttl.Rows("lease", lease_channel)
 
 #: Statements sent, by kind ("acquire", "extend", "extend_many", "release", "guard", "ping",
 #: ...): for tests and benchmarks that count round trips (kept in ``_source.py``).
@@ -260,148 +202,17 @@ def _run_once_more(
     timeout: float | None = None,
     deadline: float | None = None,
 ) -> tuple[list[tuple[Any, ...]], bool]:
-    """Send one lease statement; return its rows and whether it was sent a second time, on a
-    new connection, because its connection died under it (:meth:`Source.run_once_more`).
+    """Send one lease statement; return its rows and whether it was sent a second time
+    (:func:`_ttl.run`, which says what ``timeout`` and ``deadline`` are).
 
     That is safe: every lease statement is idempotent per holder (an acquire by the same
     holder re-enters keeping the token; extend and release name the holder and the token), so
     a first attempt that did commit before its connection died changes nothing but the answer
     of a release.
-
-    :param timeout: the longest wait for a pool connection.
-    :param deadline: the ``time.monotonic()`` instant the statement is cut off at
-        (:class:`NoAnswer`, a ``psycopg.OperationalError``: the outcome is unknown).
     """
-    return source.run_once_more(
-        lambda conn: _execute(conn, kind, schema, params), "lease", kind, timeout, deadline
-    )
-
-
-def _execute(
-    conn: psycopg.Connection[Any], kind: str, schema: str, params: tuple[Any, ...]
-) -> list[tuple[Any, ...]]:
-    """One statement in autocommit on ``conn`` (restoring its autocommit setting)."""
-    query = _stmt(kind, schema)
-    restore = False
-    if not conn.autocommit:
-        if conn.info.transaction_status != TransactionStatus.IDLE:
-            raise InvalidConnectionState(
-                "the pool handed out a connection inside a transaction; pglock runs lease "
-                "statements in their own transactions"
-            )
-        conn.autocommit = True
-        restore = True
-    # Binary results for the keepalive's big batches (cheaper to parse).
-    binary = kind == "extend_many"
-    state = _conn.state_for(conn)
-    try:
-        for attempt in range(_RETRIES + 1):
-            _count(kind)
-            try:
-                if attempt == 0 and not state.session_timeouts:
-                    return _conn.fetch(conn, query, params, binary=binary)[0]
-                return _execute_read_committed(conn, query, params, binary)
-            except (pg_errors.QueryCanceled, pg_errors.LockNotAvailable):
-                # The session's own statement_timeout or lock_timeout (ALTER ROLE app SET
-                # statement_timeout = '300ms') must not end a wait of pglock's: sent again with
-                # them off (LEASE_RETRY_BEGIN), and so from now on on this connection. With
-                # none set it was a cancel, which stands.
-                if attempt or state.session_timeouts or not _session_timeouts(conn):
-                    raise
-                state.session_timeouts = True
-            except (pg_errors.SerializationFailure, pg_errors.DeadlockDetected) as exc:
-                # Under a REPEATABLE READ or SERIALIZABLE default isolation, concurrent lease
-                # statements fail this way (the functions are written for READ COMMITTED,
-                # where they follow concurrent changes). Each is its own transaction, rolled
-                # back whole: it is sent again at READ COMMITTED, where only a deadlock can
-                # fail it again. Retrying at the default level could fail every time under
-                # contention between processes.
-                if attempt == _RETRIES or conn.info.transaction_status != TransactionStatus.IDLE:
-                    raise
-                logger.debug(
-                    "lease statement %r: %s; sending it again at READ COMMITTED",
-                    kind, type(exc).__name__,
-                )
-                if attempt or isinstance(exc, pg_errors.DeadlockDetected):
-                    time.sleep(random.uniform(0.001, 0.005) * (attempt + 1))
-        raise AssertionError("unreachable")
-    except psycopg.Error as exc:
-        translated = _translate(exc, conn, schema)
-        if translated is None:
-            raise
-        raise translated from exc
-    finally:
-        if restore and not (conn.closed or conn.broken):
-            try:
-                conn.autocommit = False
-            except psycopg.Error:
-                logger.debug("could not restore autocommit=False", exc_info=True)
-
-
-def _session_timeouts(conn: psycopg.Connection[Any]) -> bool:
-    """Does the session of ``conn`` (idle, autocommit) have a statement or lock timeout?"""
-    if conn.closed or conn.broken or conn.info.transaction_status != TransactionStatus.IDLE:
-        return False
-    return bool(_conn.fetch(conn, _sql.SESSION_TIMEOUTS)[0][0][0])
-
-
-def _execute_read_committed(
-    conn: psycopg.Connection[Any], query: bytes, params: tuple[Any, ...], binary: bool
-) -> list[tuple[Any, ...]]:
-    """``query`` in an explicit READ COMMITTED transaction on the autocommit ``conn``, the
-    session's timeouts off: three round trips, only for a statement that already failed at the
-    session's default level, or on a session with timeouts of its own."""
-    _count("retry_read_committed")
-    _conn.fetch(conn, _retry_sql("begin"))
-    try:
-        rows = _conn.fetch(conn, query, params, binary=binary)[0]
-        _conn.fetch(conn, _retry_sql("commit"))
-        return rows
-    except BaseException:
-        if not (conn.closed or conn.broken) and (
-            conn.info.transaction_status != TransactionStatus.IDLE
-        ):
-            try:
-                _conn.fetch(conn, _retry_sql("rollback"))
-            except psycopg.Error:
-                logger.debug("rolling back a lease retry failed", exc_info=True)
-        raise
-
-
-@lru_cache(maxsize=4)
-def _retry_sql(which: str) -> bytes:
-    stmt: sql.SQL = getattr(_sql, f"LEASE_RETRY_{which.upper()}")
-    return stmt.as_bytes(None)
-
-
-def _translate(exc: psycopg.Error, conn: psycopg.Connection[Any], schema: str) -> Exception | None:
-    if isinstance(
-        exc, (pg_errors.UndefinedFunction, pg_errors.UndefinedTable, pg_errors.InvalidSchemaName)
-    ):
-        return schema_not_installed(conn, schema)
-    if isinstance(exc, pg_errors.SequenceGeneratorLimitExceeded):
-        return LockError(
-            f"the fencing-token sequence {schema}.lease_token is exhausted (it never cycles, "
-            "so no token is ever handed out twice); tokens cannot be issued any more"
-        )
-    return None
-
-
-def schema_not_installed(conn: psycopg.Connection[Any], schema: str) -> SchemaNotInstalled:
-    """The error for a database without the lease schema, with the exact install command."""
-    try:
-        dsn = conn.info.dsn  # libpq leaves the password out
-        db = conn.info.dbname
-    except Exception:
-        dsn, db = "<your DSN>", "?"
-    command = f"pglock install --dsn {shlex.quote(dsn)} --schema {schema}"
-    return SchemaNotInstalled(
-        schema,
-        message=(
-            f"the pglock schema {schema!r} is not installed (or is out of date) in database "
-            f"{db!r}; install it with: {command}  (or include pglock's migrations in your "
-            "Alembic and run 'alembic upgrade pglock@head')"
-        ),
+    return _ttl.run(
+        LEASES, source, kind, schema, _stmt(kind, schema), params,
+        binary=kind == "extend_many", timeout=timeout, deadline=deadline,
     )
 
 
@@ -414,446 +225,8 @@ def make_source(source: object) -> Source:
     return _make_source(source, "lease")
 
 
-# --- the process-wide manager: keepalive thread, wait queues, listeners ---------------------
+# --- one live handle per holder id ---------------------------------------------------------------
 
-
-class _Ticket:
-    """One waiter's place in a queue; its condition is made only if it has to wait."""
-
-    __slots__ = ("_cond", "lock")
-
-    def __init__(self, lock: threading.Lock) -> None:
-        self.lock = lock
-        self._cond: threading.Condition | None = None
-
-    @property
-    def cond(self) -> threading.Condition:
-        if self._cond is None:
-            self._cond = threading.Condition(self.lock)
-        return self._cond
-
-    def notify(self) -> None:
-        if self._cond is not None:  # nobody waits on a condition that was never made
-            self._cond.notify()
-
-
-class _Queue:
-    """The local waiters of one (source, schema, name), first in line first."""
-
-    __slots__ = ("holder", "tickets", "version")
-
-    def __init__(self) -> None:
-        self.tickets: deque[_Ticket] = deque()
-        #: Bumped on every event that may have freed the name: a NOTIFY, a local release.
-        self.version = 0
-        #: A lease of this process that holds the name (the head waits for it locally).
-        self.holder: Lease | None = None
-
-    def wake_head(self) -> None:
-        if self.tickets:
-            self.tickets[0].notify()
-
-
-class _Listener:
-    """One LISTEN connection for a (source, schema) and the thread that reads it."""
-
-    def __init__(self, mgr: _Manager, source: Source, schema: str, deadline: float) -> None:
-        self.mgr = mgr
-        self.source = source
-        self.schema = schema
-        self.channel = lease_channel(schema)
-        self.key = (source.key, schema)
-        self.healthy = False
-        self.stopped = False
-        self.conn: psycopg.Connection[Any] | None = None
-        self._close: Callable[[], None] | None = None
-        # In the caller's thread: LISTEN is active before it tries again.
-        self._connect(deadline)
-        self.thread = threading.Thread(
-            target=self._run, name=f"pglock-lease-listener-{schema}", daemon=True
-        )
-
-    def _connect(self, deadline: float) -> None:
-        _count("listen")
-        self.conn, self._close = open_listening(self.source, self.channel, deadline)
-        self.healthy = True
-
-    def _drop(self) -> None:
-        self.healthy = False
-        close, self.conn, self._close = self._close, None, None
-        if close is not None:
-            try:
-                close()
-            except Exception:
-                logger.debug("closing the listener connection failed", exc_info=True)
-
-    def _run(self) -> None:
-        # Only this thread touches the connection once it runs; others set ``stopped``.
-        backoff = 0.1
-        idle_since: float | None = None
-        try:
-            while not self.stopped:
-                if self.conn is None:
-                    try:
-                        self._connect(listen_deadline(None))
-                        backoff = 0.1
-                        # Releases may have gone unheard while the connection was down.
-                        self.mgr.wake_all(self.key)
-                    except Exception as exc:
-                        logger.debug("lease listener reconnect failed: %r", exc)
-                        time.sleep(backoff)
-                        backoff = min(backoff * 2, 5.0)
-                        self.mgr.stop_listener_if_idle(self, idle_for=None)
-                        continue
-                conn = self.conn
-                assert conn is not None
-                try:
-                    for n in conn.notifies(timeout=_LISTENER_TICK):
-                        if n.channel == self.channel:
-                            self.mgr.on_notify(self.key, n.payload)
-                except Exception as exc:
-                    logger.info("lease listener lost its connection (%r); waiters poll", exc)
-                    self._drop()
-                    self.mgr.wake_all(self.key)
-                    continue
-                now = time.monotonic()
-                if self.mgr.has_waiters(self.key):
-                    idle_since = None
-                elif idle_since is None:
-                    idle_since = now
-                else:
-                    self.mgr.stop_listener_if_idle(self, idle_for=now - idle_since)
-        finally:
-            self._drop()
-
-
-class _Worker:
-    """The renewal thread of one (source, schema) and its batches, run one after another."""
-
-    __slots__ = ("batches", "cond", "thread")
-
-    def __init__(self, lock: threading.Lock) -> None:
-        self.batches: deque[list[Lease]] = deque()
-        self.cond = threading.Condition(lock)
-        self.thread: threading.Thread | None = None
-
-
-class _Manager:
-    """Process-wide state: held leases (keepalive), wait queues, NOTIFY listeners.
-
-    The keepalive is a scheduler thread and one worker thread per (source, schema). The
-    scheduler never sends a statement: it hands due leases to their group's worker in one
-    batch, and declares a lease lost at its client deadline, whether or not a renewal of it
-    is still running (a silent network may hold one until its statement deadline). A worker
-    sends one batch at a time; a group whose worker is busy gets its next batch when the
-    worker is done, without holding up any other group.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.cond = threading.Condition(self.lock)  # the keepalive scheduler sleeps on it
-        self.leases: set[Lease] = set()
-        self.thread: threading.Thread | None = None
-        #: When the sleeping scheduler wakes next (-inf while it is awake).
-        self.next_wake = -math.inf
-        #: Renewal workers per (source key, schema).
-        self.workers: dict[tuple[Any, ...], _Worker] = {}
-        self.queues: dict[tuple[Any, ...], _Queue] = {}
-        #: Tickets waiting, per (source key, schema): is a listener still needed?
-        self.waiting: Counter[tuple[Any, ...]] = Counter()
-        self.listeners: dict[tuple[Any, ...], _Listener] = {}
-        self.listener_create = threading.Lock()
-        self.rng = random.Random()
-
-    # -- held leases and the keepalive ---------------------------------------------------------
-
-    def register(self, lease: Lease) -> None:
-        with self.lock:
-            self.leases.add(lease)
-            q = self.queues.get(lease._qkey)
-            if q is not None:
-                q.holder = lease
-            if self.thread is None or not self.thread.is_alive():
-                self.thread = threading.Thread(
-                    target=self._keepalive, name="pglock-lease-keepalive", daemon=True
-                )
-                self.next_wake = -math.inf
-                self.thread.start()
-            elif min(lease._renew_due(), lease._deadline) < self.next_wake:
-                # Only when the new lease is due before the thread's next wake-up: a stream of
-                # acquires must not make it rescan every held lease each time.
-                self.cond.notify()
-
-    def unregister(self, lease: Lease, *, notified: bool = False) -> None:
-        """Forget a lease that is no longer held; wake the local waiters for its name."""
-        with self.lock:
-            self.leases.discard(lease)
-            q = self.queues.get(lease._qkey)
-            if q is None:
-                return
-            if q.holder is lease:
-                q.holder = None
-            lst = self.listeners.get(lease._group)
-            if notified and lst is not None and lst.healthy:
-                # The NOTIFY reaches these waiters through the listener; waking them now as
-                # well would make the next one ask again, needlessly, after the handoff.
-                return
-            q.version += 1
-            q.wake_head()
-
-    def _keepalive(self) -> None:
-        while True:
-            try:
-                self._schedule()
-            except Exception:  # a bug here must not stop every renewal in the process
-                logger.exception("pglock's lease keepalive failed; it goes on")
-                time.sleep(0.1)
-
-    def _schedule(self) -> None:
-        """The scheduler's loop: losses at their deadline, batches to the workers, sleep."""
-        while True:
-            with self.lock:
-                now = time.monotonic()
-                lost, batches, wake_at = self._scan(now)
-                for group, leases in batches.items():
-                    self._dispatch(group, leases)
-                if not lost:
-                    if batches:
-                        continue  # look again: the leases handed out are no longer due
-                    # Look up at least every few seconds, so that registering a lease due later
-                    # than that needs no wake-up (a thread switch per acquire otherwise).
-                    wake_at = min(wake_at, now + _KEEPALIVE_TICK)
-                    self.next_wake = wake_at
-                    self.cond.wait(max(0.0, wake_at - now))
-                    self.next_wake = -math.inf  # awake: it rescans before sleeping again
-                    continue
-            for lease, reason in lost:
-                lease._lose(reason)
-
-    def _scan(
-        self, now: float
-    ) -> tuple[list[tuple[Lease, str]], dict[tuple[Any, ...], list[Lease]], float]:
-        """With the lock held: the leases past their deadline, the renewal batches due now
-        (marked as renewing), and when to look again."""
-        lost: list[tuple[Lease, str]] = []
-        wake_at = math.inf
-        due_groups: set[tuple[Any, ...]] = set()
-        for lease in self.leases:
-            if lease._state != _HELD or lease._lost:
-                continue  # being released, or lost: about to leave the set
-            if now >= lease._deadline:
-                lost.append((lease, "its TTL ran out before a renewal succeeded"))
-                continue
-            wake_at = min(wake_at, lease._deadline)
-            if not lease._keepalive or lease._renewing:
-                continue  # a renewal in flight: only its deadline counts
-            due = lease._renew_due()
-            if now >= due:
-                due_groups.add(lease._group)
-            else:
-                wake_at = min(wake_at, due)
-        batches: dict[tuple[Any, ...], list[Lease]] = {}
-        if due_groups:
-            for lease in self.leases:
-                if (
-                    lease._keepalive
-                    and lease._group in due_groups
-                    and not lease._renewing
-                    and lease._state == _HELD
-                    and not lease._lost
-                    and lease._renew_soon() <= now < lease._deadline
-                ):
-                    lease._renewing = True
-                    batches.setdefault(lease._group, []).append(lease)
-        return lost, batches, wake_at
-
-    def _dispatch(self, group: tuple[Any, ...], leases: list[Lease]) -> None:
-        """With the lock held: hand a batch to its group's worker (started if needed)."""
-        worker = self.workers.get(group)
-        if worker is None:
-            worker = self.workers[group] = _Worker(self.lock)
-        worker.batches.append(leases)
-        if worker.thread is None:
-            worker.thread = threading.Thread(
-                target=self._work,
-                args=(group, worker),
-                name=f"pglock-lease-renewal-{group[1]}",
-                daemon=True,
-            )
-            worker.thread.start()
-        else:
-            worker.cond.notify()
-
-    def _work(self, group: tuple[Any, ...], worker: _Worker) -> None:
-        """A worker's loop: renew its group's batches; exit after a while without any."""
-        while True:
-            with self.lock:
-                while not worker.batches:
-                    if not worker.cond.wait(_WORKER_IDLE) and not worker.batches:
-                        worker.thread = None
-                        if self.workers.get(group) is worker:
-                            del self.workers[group]
-                        return
-                leases = worker.batches.popleft()
-            try:
-                self._renew(leases)
-            except Exception:  # a bug here must not stop the group's renewals
-                logger.exception("pglock's lease renewal failed; it goes on")
-            finally:
-                with self.lock:
-                    for lease in leases:
-                        lease._renewing = False
-                    self.cond.notify()  # the scheduler looks again: due times moved
-
-    def _renew(self, leases: list[Lease]) -> None:
-        source, schema = leases[0]._source, leases[0]._schema
-        snaps = [snap for snap in map(Lease._snapshot, leases) if snap is not None]
-        if not snaps:
-            return
-        names = [s[1] for s in snaps]
-        holders = [s[2] for s in snaps]
-        tokens = [s[3] for s in snaps]
-        ttls = [s[4] for s in snaps]
-        durable = any(s[0]._durable for s in snaps)
-        sent = time.monotonic()
-        # Waiting longer than the earliest deadline would only hide a loss; an answer after it
-        # is cut off (a silent network must not hold the worker past it).
-        wait = max(0.05, min(s[0]._deadline for s in snaps) - sent)
-        try:
-            rows = _run(
-                source, "extend_many", schema, (names, holders, tokens, ttls, durable, wait),
-                timeout=wait, deadline=sent + wait,
-            )
-        except Exception as exc:
-            logger.info("renewing %d lease(s) failed, retrying: %r", len(snaps), exc)
-            for lease, *_ in snaps:
-                lease._renew_failed(sent)
-            return
-        received = time.monotonic()
-        renewed = {(r[0], r[1]): r[2] for r in rows}
-        for lease, name, _holder, token, ttl, gen in snaps:
-            expires_at = renewed.get((name, token))
-            if expires_at is not None:
-                lease._renewed(gen, sent, ttl, expires_at, received)
-            else:
-                lease._lose(
-                    "the renewal found it no longer held (expired, taken over, or released "
-                    "elsewhere)",
-                    gen=gen,
-                )
-
-    # -- wait queues ------------------------------------------------------------------------
-
-    def enqueue(self, qkey: tuple[Any, ...]) -> tuple[_Queue, _Ticket]:
-        with self.lock:
-            q = self.queues.get(qkey)
-            if q is None:
-                q = self.queues[qkey] = _Queue()
-            ticket = _Ticket(self.lock)
-            q.tickets.append(ticket)
-            self.waiting[qkey[:2]] += 1
-            return q, ticket
-
-    def dequeue(self, qkey: tuple[Any, ...], q: _Queue, ticket: _Ticket) -> None:
-        with self.lock:
-            was_head = bool(q.tickets) and q.tickets[0] is ticket
-            try:
-                q.tickets.remove(ticket)
-            except ValueError:
-                return
-            self.waiting[qkey[:2]] -= 1
-            if not self.waiting[qkey[:2]]:
-                del self.waiting[qkey[:2]]
-            if was_head:
-                q.wake_head()
-            # A queue lives while somebody waits; its holder is only of use to them.
-            if not q.tickets and self.queues.get(qkey) is q:
-                del self.queues[qkey]
-
-    def wait_head(self, q: _Queue, ticket: _Ticket, deadline: float | None) -> bool:
-        with self.lock:
-            while q.tickets[0] is not ticket:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                ticket.cond.wait(remaining)
-            return True
-
-    def on_notify(self, key: tuple[Any, ...], name: str) -> None:
-        with self.lock:
-            q = self.queues.get((*key, name))
-            if q is not None:
-                q.version += 1
-                q.wake_head()
-
-    def wake_all(self, key: tuple[Any, ...]) -> None:
-        with self.lock:
-            for qkey, q in self.queues.items():
-                if qkey[:2] == key:
-                    q.version += 1
-                    q.wake_head()
-
-    def has_waiters(self, key: tuple[Any, ...]) -> bool:
-        with self.lock:
-            return key in self.waiting
-
-    # -- listeners ----------------------------------------------------------------------------
-
-    def listener(
-        self, source: Source, schema: str, deadline: float
-    ) -> tuple[_Listener | None, bool]:
-        """The (source, schema) listener, started if needed: (listener, created now).
-
-        :param deadline: when a new listener must be listening (:func:`listen_deadline`);
-            past it, waiters poll instead.
-        """
-        key = (source.key, schema)
-        with self.lock:
-            lst = self.listeners.get(key)
-            if lst is not None:
-                return lst, False
-        with self.listener_create:
-            with self.lock:
-                lst = self.listeners.get(key)
-                if lst is not None:
-                    return lst, False
-            try:
-                lst = _Listener(self, source, schema, deadline)
-            except Exception as exc:
-                logger.info("could not LISTEN for lease releases (%r); waiters poll instead", exc)
-                return None, False
-            with self.lock:
-                self.listeners[key] = lst
-            lst.thread.start()
-            return lst, True
-
-    def stop_listener_if_idle(self, lst: _Listener, idle_for: float | None) -> None:
-        with self.lock:
-            busy = lst.key in self.waiting
-            if busy or (idle_for is not None and idle_for < _LISTENER_IDLE):
-                return
-            if self.listeners.get(lst.key) is lst:
-                del self.listeners[lst.key]
-            lst.healthy = False
-            lst.stopped = True
-
-    def shutdown(self) -> None:
-        """Stop every listener (each closes its connection within a tick)."""
-        with self.lock:
-            listeners, self.listeners = list(self.listeners.values()), {}
-            for lst in listeners:
-                lst.healthy = False
-                lst.stopped = True
-
-    def fallback(self, lst: _Listener | None, attempt: int) -> float:
-        if lst is not None and lst.healthy:
-            return self.rng.uniform(*_FALLBACK_POLL)
-        low, high = _DEGRADED_POLL
-        return self.rng.uniform(0.5, 1.0) * min(high, low * 2.0 ** min(attempt, 30))
-
-
-_manager_lock = threading.Lock()
-_the_manager: _Manager | None = None
 
 #: The handle of each (database, schema, name, holder id) that is acquiring, holding or
 #: releasing it in this process (see :meth:`Lease._claim`).
@@ -874,23 +247,9 @@ def _prune_claims() -> None:
     _claims_prune_at = max(1024, 2 * len(_claims))
 
 
-def _mgr() -> _Manager:
-    global _the_manager
-    m = _the_manager
-    if m is None:
-        with _manager_lock:
-            if _the_manager is None:
-                _the_manager = _Manager()
-            m = _the_manager
-    return m
-
-
 def _after_fork_in_child() -> None:
-    # Threads and connections do not survive a fork: the child starts from nothing, and the
-    # parent's leases stay the parent's (the child must not renew or release them).
-    global _the_manager, _manager_lock, _claims_lock
-    _the_manager = None
-    _manager_lock = threading.Lock()
+    # The parent's leases stay the parent's (the child must not renew or release them).
+    global _claims_lock
     _claims.clear()
     _claims_lock = threading.Lock()
 
@@ -899,17 +258,8 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def shutdown() -> None:
-    """Close what pglock opened for leases in this process: the NOTIFY listeners and the
-    connections kept per DSN string. Runs at exit; leases still held are not released (they
-    expire). Later lease calls open what they need again."""
-    m = _the_manager
-    if m is not None:
-        m.shutdown()
-    close_dsn_sources()
-
-
-atexit.register(shutdown)
+#: Close what pglock opened for leases and semaphores (:func:`_ttl.shutdown`).
+shutdown = _ttl.shutdown
 
 
 # --- the public API ----------------------------------------------------------------------------
@@ -931,7 +281,7 @@ class LeaseInfo:
     expires_in: float
 
 
-class Lease:
+class Lease(_ttl.Held):
     """A TTL lease on a name, with a fencing token; see :func:`lease`.
 
     Thread safety: a ``Lease`` may be shared between threads (``check()``, ``guard()`` and the
@@ -987,7 +337,8 @@ class Lease:
                 raise ValueError("resume=True keeps the stored metadata; do not pass metadata")
         self._holder = default_holder() if holder is None else validate_holder(holder)
         self._source = make_source(source)
-        self._qkey = (self._source.key, self._schema, self._name)
+        #: The process's wait queue for the name (see :func:`_ttl.wait`).
+        self._qkey = (self._source.key, self._schema, lease_channel(self._schema), self._name)
         self._group = (self._source.key, self._schema)
 
         self._op = threading.Lock()  # acquire / release / extend, one at a time
@@ -1002,7 +353,7 @@ class Lease:
         self._sent_at = 0.0
         self._deadline = -math.inf
         self._retry_at: float | None = None
-        self._renewing = False  # guarded by the manager's lock
+        self._renewing = False  # guarded by the keepalive's lock
         self._refused: tuple[str | None, datetime | None] | None = None  # (holder, until)
         #: Why the last acquire did not grant, when not refused by a holder (no answer, a
         #: grant that came too late): for the LockNotAcquired message.
@@ -1220,7 +571,7 @@ class Lease:
             self._deadline = sent + self._ttl
             self._retry_at = None
         logger.debug("acquired lease %r (token %s)", self._name, token)
-        _mgr().register(self)
+        _ttl.register(self)
         return True
 
     def _give_back(self, token: int, took: float) -> None:
@@ -1246,54 +597,19 @@ class Lease:
             )
 
     def _wait_and_acquire(self, timeout: float | None) -> bool:
-        mgr = _mgr()
         deadline = None if timeout is None else time.monotonic() + timeout
-        q, ticket = mgr.enqueue(self._qkey)
-        try:
-            if not mgr.wait_head(q, ticket, deadline):
-                return False
-            listener: _Listener | None = None
-            polls = 0
-            while True:
-                with mgr.lock:
-                    seen = q.version
-                    local = q.holder
-                wake_at = self._local_wake(local)
-                if wake_at is None or wake_at <= time.monotonic():
-                    row = self._attempt(_remaining(deadline))
-                    if row is not None and row[0] and self._granted(row):
-                        return True
-                    if row is not None and not row[0]:
-                        listener, created = self._ensure_listener(mgr, listener, deadline)
-                        if created:
-                            continue  # LISTEN is active now: look once more, then sleep
-                    wake_at = self._wake_after(row, mgr.rng)
-                    if deadline is not None and time.monotonic() >= deadline:
-                        return False
-                if local is None:
-                    polls += 1
-                    wake_at = min(wake_at, time.monotonic() + mgr.fallback(listener, polls))
-                if deadline is not None:
-                    wake_at = min(wake_at, deadline)
-                with mgr.lock:
-                    while q.version == seen:
-                        left = wake_at - time.monotonic()
-                        if left <= 0:
-                            break
-                        ticket.cond.wait(left)
-                    woken = q.version != seen
-                if not woken and deadline is not None and time.monotonic() >= deadline:
-                    return False
-        finally:
-            mgr.dequeue(self._qkey, q, ticket)
+        granted = _ttl.wait(
+            LEASES, self._source, self._schema, self._name, None, deadline,
+            self._try_once, self._local_wake,
+        )
+        return granted is not None
 
-    def _ensure_listener(
-        self, mgr: _Manager, listener: _Listener | None, deadline: float | None
-    ) -> tuple[_Listener | None, bool]:
-        """A refused waiter's NOTIFY listener: (listener, created now)."""
-        if listener is not None and listener.healthy:
-            return listener, False
-        return mgr.listener(self._source, self._schema, listen_deadline(deadline))
+    def _try_once(self, wait: float | None) -> _ttl.Attempt:
+        """One attempt of a waiter (the head of this process's queue for the name)."""
+        row = self._attempt(wait)
+        if row is not None and row[0] and self._granted(row):
+            return True, False, None
+        return None, row is not None and not row[0], self._wake_after(row)
 
     def _local_wake(self, local: Lease | None) -> float | None:
         """When to look again while a lease of this process holds the name (None: now)."""
@@ -1308,7 +624,7 @@ class Lease:
         return None
 
     @staticmethod
-    def _wake_after(row: tuple[Any, ...] | None, rng: random.Random) -> float:
+    def _wake_after(row: tuple[Any, ...] | None) -> float:
         """When to try again after an attempt that did not grant: just after the holder's
         expiry on the server clock, or after a short jittered pause (contention, a grant
         given back, no answer)."""
@@ -1316,7 +632,7 @@ class Lease:
             left = max(0.0, float((row[4] - row[5]).total_seconds()))
             received: float = row[7]
             return received + left + _EXPIRY_MARGIN
-        return time.monotonic() + rng.uniform(0.005, 0.02)
+        return time.monotonic() + random.uniform(0.005, 0.02)
 
     def _do_resume(self) -> bool:
         sent = time.monotonic()
@@ -1371,9 +687,8 @@ class Lease:
                 was_lost, reason = self._lost, self._lost_reason
                 token = self._token
                 superseded = self._superseded
-            mgr = _mgr()
             if superseded:
-                mgr.unregister(self)
+                _ttl.unregister(self)
                 raise LockLost(
                     self._name,
                     reason=reason or "another handle of this process took it over",
@@ -1384,7 +699,7 @@ class Lease:
                     deadline=short_deadline(self._ttl),
                 )
             except BaseException:
-                mgr.unregister(self)
+                _ttl.unregister(self)
                 logger.warning(
                     "could not release lease %r; it stays until it expires", self._name,
                     exc_info=True,
@@ -1393,7 +708,7 @@ class Lease:
             finally:
                 self._unclaim()
             status, notified = rows[0]
-            mgr.unregister(self, notified=bool(notified))
+            _ttl.unregister(self, notified=bool(notified))
             if status == "released":
                 logger.debug("released lease %r (token %s)", self._name, token)
                 return
@@ -1531,7 +846,7 @@ class Lease:
             found = _conn.fetch(pg, _stmt("guard", self._schema), (self._name, self._holder, token))
             row = found[0][0] if found[0] else None
         except psycopg.Error as exc:
-            translated = _translate(exc, pg, self._schema)
+            translated = _ttl.translate(exc, pg, self._schema)
             if translated is None:
                 raise
             raise translated from exc
@@ -1551,7 +866,7 @@ class Lease:
             self._ensure_valid()
             raise LockLost(self._name, reason="guard found it no longer held")
 
-    # -- internals used by the manager -------------------------------------------------------
+    # -- internals used by the keepalive -----------------------------------------------------
 
     def _ensure_valid(self) -> None:
         with self._lock:
@@ -1571,14 +886,8 @@ class Lease:
                 reason = self._lost_reason
             raise LockLost(self._name, reason=reason)
 
-    def _renew_due(self) -> float:
-        retry = self._retry_at
-        return retry if retry is not None else self._sent_at + self._ttl / 3
-
-    def _renew_soon(self) -> float:
-        # Renew early to share a round: anything past half its interval comes along.
-        retry = self._retry_at
-        return retry if retry is not None else self._sent_at + self._ttl / 6
+    def _live(self) -> bool:
+        return self._state == _HELD and not self._lost
 
     def _snapshot(self) -> tuple[Lease, str, str, int, float, int] | None:
         with self._lock:
@@ -1607,9 +916,44 @@ class Lease:
                 "a renewal's answer arrived after the lease's client deadline", gen=gen
             )
 
-    def _renew_failed(self, sent: float) -> None:
-        with self._lock:
-            self._retry_at = sent + min(1.0, max(0.05, self._ttl / 10))
+    @classmethod
+    def _renew_batch(cls, leases: list[Lease]) -> None:
+        """One ``extend_many`` for the due leases of a (source, schema)."""
+        source, schema = leases[0]._source, leases[0]._schema
+        snaps = [snap for snap in map(Lease._snapshot, leases) if snap is not None]
+        if not snaps:
+            return
+        names = [s[1] for s in snaps]
+        holders = [s[2] for s in snaps]
+        tokens = [s[3] for s in snaps]
+        ttls = [s[4] for s in snaps]
+        durable = any(s[0]._durable for s in snaps)
+        sent = time.monotonic()
+        # Waiting longer than the earliest deadline would only hide a loss; an answer after it
+        # is cut off (a silent network must not hold the worker past it).
+        wait = max(0.05, min(s[0]._deadline for s in snaps) - sent)
+        try:
+            rows = _run(
+                source, "extend_many", schema, (names, holders, tokens, ttls, durable, wait),
+                timeout=wait, deadline=sent + wait,
+            )
+        except Exception as exc:
+            logger.info("renewing %d lease(s) failed, retrying: %r", len(snaps), exc)
+            for lease, *_ in snaps:
+                lease._renew_failed(sent)
+            return
+        received = time.monotonic()
+        renewed = {(r[0], r[1]): r[2] for r in rows}
+        for lease, name, _holder, token, ttl, gen in snaps:
+            expires_at = renewed.get((name, token))
+            if expires_at is not None:
+                lease._renewed(gen, sent, ttl, expires_at, received)
+            else:
+                lease._lose(
+                    "the renewal found it no longer held (expired, taken over, or released "
+                    "elsewhere)",
+                    gen=gen,
+                )
 
     def _lose(self, reason: str, gen: int | None = None) -> None:
         with self._lock:
@@ -1617,7 +961,7 @@ class Lease:
                 return
             self._lost = True
             self._lost_reason = reason
-        _mgr().unregister(self)
+        _ttl.unregister(self)
         if self._keepalive:
             logger.warning("lease %r (token %s) was lost: %s", self._name, self._token, reason)
         else:
@@ -1711,7 +1055,7 @@ def _query(
     except psycopg.Error as exc:
         if own and not pg.broken:
             pg.rollback()
-        translated = _translate(exc, pg, schema)
+        translated = _ttl.translate(exc, pg, schema)
         if translated is None:
             raise
         raise translated from exc

@@ -1,35 +1,13 @@
 """Semaphores: at most ``limit`` permits held at once across every process, weighted, with a
 limit stored in the database and permits that come back when their holder dies.
 
-The database decides: ``<schema>.semaphore_acquire(...)`` (shipped by revision
-``pglock_0002``) locks the semaphore's row, drops expired permits, sums the live ones and
-inserts the caller's permit row when it fits, in one READ COMMITTED transaction on
-``clock_timestamp()``. This module is the client around it:
-
-* **Statements** run on connections of their own (a pool, an engine, or a few connections kept
-  per DSN string, shared with leases: ``_source.py``), never in the caller's transaction, one
-  round trip each. A statement whose connection dies under it is sent once more on a live one.
-* **Crash safety.** A permit row expires ``ttl`` seconds after its last renewal. A keepalive
-  thread per :class:`Semaphore` renews all of its permits in one statement every ``ttl/3``;
-  the holder believes in a permit until ``send time of the last successful acquire/renewal +
-  ttl`` (``time.monotonic()``), never longer than the server keeps it. An answer that arrives
-  after that deadline is not believed: a late grant is given back (the wait goes on, or the
-  acquire fails), a late renewal does not bring a lost permit back. A holder that dies stops
-  renewing, and its permits come back within ``ttl``.
-* **Statement deadlines**, as for leases (one policy, in ``_source.py``): an acquire is cut
-  off at its timeout plus ``ANSWER_GRACE`` (a silent network; it then fails, and a permit it may
-  have been granted expires at its TTL), a renewal at the earliest deadline of the permits it
-  renews, a release or a query at a bound from the TTL.
-* **Waiting.** Within one :class:`Semaphore` object, waiters queue in arrival order and only
-  the first one asks the database. It wakes on the release ``NOTIFY`` (one LISTEN connection
-  per source and schema, payload = the name), on a local release, when the earliest permit
-  held elsewhere would expire (the server says when) and, as a safety net, on a jittered
-  fallback poll of 2 to 4 s (quicker, with backoff, while the LISTEN connection is down).
+The database decides (``<schema>.semaphore_acquire(...)``, revision ``pglock_0002``); this
+module holds the hooks of the shared TTL-row client (``_ttl.py``): the attempt, the renewal of
+a batch of permits, the release. docs/how-it-works.md has the design.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -38,38 +16,18 @@ import socket
 import threading
 import time
 import uuid
-import weakref
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg import errors as pg_errors
 from psycopg import sql
-from psycopg.pq import TransactionStatus
 
-from . import _conn, _sql
-from ._keys import remaining as _remaining
+from . import _conn, _sql, _ttl
 from ._keys import validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, validate_schema
-from ._source import (
-    ANSWER_GRACE,
-    WAIT_CHUNK,
-    DsnSource,
-    NoAnswer,
-    Source,
-    listen_deadline,
-    open_listening,
-    short_deadline,
-)
+from ._source import ANSWER_GRACE, WAIT_CHUNK, DsnSource, NoAnswer, Source, short_deadline
 from ._source import make_source as _make_source
-from .errors import (
-    InvalidConnectionState,
-    LimitMismatch,
-    LockLost,
-    LockNotAcquired,
-    SchemaNotInstalled,
-)
+from .errors import LimitMismatch, LockLost, LockNotAcquired
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -80,14 +38,8 @@ logger = logging.getLogger("pglock.semaphore")
 LIMIT_MISMATCH = "PGL01"
 #: The largest limit (and weight) accepted: Postgres ``integer``.
 MAX_LIMIT = 2**31 - 1
-
-_FALLBACK_POLL = (2.0, 4.0)
-_DEGRADED_POLL = (0.05, 1.0)
+#: Wake this much after the earliest permit held elsewhere expires.
 _EXPIRY_MARGIN = 0.005
-_LISTENER_IDLE = 30.0
-_DSN_MAX_IDLE = 4
-
-_DEFAULT: Any = object()
 
 #: The longest TTL accepted (one day), as for leases.
 MAX_TTL = 86400.0
@@ -98,6 +50,13 @@ def semaphore_channel(schema: str) -> str:
     Postgres's 63-byte identifiers). Must match revision ``pglock_0002``."""
     suffix = "_semaphore"
     return schema[: 63 - len(suffix)] + suffix
+
+
+#: Semaphores, to the shared TTL-row client. A waiter looks once more when its object's queue
+#: first subscribes to the NOTIFY listener (as this client always has).
+SEMAPHORES = _ttl.Rows(
+    "semaphore", semaphore_channel, prefix="semaphore_", look_again_on_subscribe=True
+)
 
 
 # --- validation ----------------------------------------------------------------------------------
@@ -135,210 +94,37 @@ def make_source(source: object) -> Source:
 
 
 def _run(
-    source: Source, kind: str, schema: str, stmt: sql.Composed, deadline: float | None
-) -> list[tuple[Any, ...]]:
-    """Send one semaphore statement batch and return the rows of its last row-returning
-    statement (see :func:`_run_once_more`)."""
-    return _run_once_more(source, kind, schema, stmt, deadline)[0]
-
-
-def _run_once_more(
-    source: Source, kind: str, schema: str, stmt: sql.Composed, deadline: float | None
+    source: Source,
+    kind: str,
+    schema: str,
+    stmt: sql.Composed,
+    deadline: float | None,
+    timeout: float | None = None,
 ) -> tuple[list[tuple[Any, ...]], bool]:
-    """Send one semaphore statement batch (one round trip, autocommit, on a connection of the
-    source's); return its rows and whether it was sent a second time, on a new connection,
-    because its connection died under it (:meth:`Source.run_once_more`).
+    """Send one semaphore statement batch (one round trip, its own transaction: see
+    :func:`_ttl.run`); return the rows of its last row-returning statement and whether it was
+    sent a second time, on a new connection, because its connection died under it.
 
     Extend and info are safe to send again, and so is a release (its answer aside: the caller
     says so). An acquire names a holder of its own: a first attempt that committed a grant
     before its connection died makes the second one fail on the permit's primary key, and the
     unrenewed permit comes back after its TTL, as it would without the second attempt.
-
-    :param deadline: the ``time.monotonic()`` instant the statement is cut off at
-        (:class:`NoAnswer`, a ``psycopg.OperationalError``: the outcome is unknown).
+    Postgres errors that mean something for a lock become pglock errors as for advisory locks
+    (:func:`_conn.translate`).
     """
-    return source.run_once_more(
-        lambda conn: _execute(conn, schema, stmt), "semaphore", kind, None, deadline
-    )
-
-
-def _execute(
-    conn: psycopg.Connection[Any], schema: str, stmt: sql.Composed
-) -> list[tuple[Any, ...]]:
-    """``stmt`` in autocommit on ``conn`` (restoring its autocommit setting); a statement that
-    failed inside its own explicit transaction is rolled back."""
-    if conn.info.transaction_status != TransactionStatus.IDLE:
-        raise InvalidConnectionState(
-            "the pool handed out a connection inside a transaction; pglock runs semaphore "
-            "statements in their own transactions"
-        )
-    restore = not conn.autocommit
-    if restore:
-        conn.autocommit = True
     try:
-        return _conn.run(conn, stmt)
+        return _ttl.run(SEMAPHORES, source, kind, schema, stmt, timeout=timeout, deadline=deadline)
     except psycopg.Error as exc:
-        if not (conn.closed or conn.broken) and _in_failed_transaction(conn):
-            _conn.fetch(conn, b"ROLLBACK")
-        if isinstance(
-            exc,
-            (pg_errors.UndefinedFunction, pg_errors.UndefinedTable, pg_errors.InvalidSchemaName),
-        ):
-            raise SchemaNotInstalled(schema) from exc
-        raise
-    finally:
-        if restore and not (conn.closed or conn.broken):
-            try:
-                conn.autocommit = False
-            except psycopg.Error:
-                logger.debug("could not restore autocommit=False", exc_info=True)
-
-
-def _in_failed_transaction(conn: psycopg.Connection[Any]) -> bool:
-    return conn.info.transaction_status == TransactionStatus.INERROR
-
-
-# --- NOTIFY listeners, one per (source, schema) per process -------------------------------------
-
-
-class _Listener:
-    def __init__(self, source: Source, schema: str, deadline: float) -> None:
-        self.source = source
-        self.schema = schema
-        self.channel = semaphore_channel(schema)
-        self.key = (source.key, schema)
-        self.lock = threading.Lock()
-        #: name -> the Semaphore objects with waiters for it
-        self.subscribers: dict[str, weakref.WeakSet[Semaphore]] = {}
-        self.healthy = False
-        self.closed = False
-        self.conn: psycopg.Connection[Any] | None = None
-        self._close: Callable[[], None] | None = None
-        self._connect(deadline)  # in the caller's thread: LISTEN is active before it tries
-        self.thread = threading.Thread(
-            target=self._run, name=f"pglock-semaphore-listener-{schema}", daemon=True
-        )
-        self.thread.start()
-
-    def _connect(self, deadline: float) -> None:
-        self.conn, self._close = open_listening(self.source, self.channel, deadline)
-        self.healthy = True
-
-    def _drop(self) -> None:
-        self.healthy = False
-        close, self.conn, self._close = self._close, None, None
-        if close is not None:
-            with contextlib.suppress(Exception):
-                close()
-
-    def subscribe(self, sem: Semaphore) -> None:
-        with self.lock:
-            self.subscribers.setdefault(sem.name, weakref.WeakSet()).add(sem)
-
-    def unsubscribe(self, sem: Semaphore) -> None:
-        with self.lock:
-            subs = self.subscribers.get(sem.name)
-            if subs is not None:
-                subs.discard(sem)
-                if not subs:
-                    del self.subscribers[sem.name]
-
-    def _wake(self, name: str | None) -> None:
-        with self.lock:
-            if name is None:
-                targets = [s for subs in self.subscribers.values() for s in subs]
-            else:
-                targets = list(self.subscribers.get(name, ()))
-        for sem in targets:
-            sem._poke()
-
-    def _run(self) -> None:
-        backoff = 0.1
-        idle_since: float | None = None
-        while not self.closed:
-            if self.conn is None:
-                try:
-                    self._connect(listen_deadline(None))
-                    backoff = 0.1
-                    self._wake(None)  # releases may have gone unheard meanwhile
-                except Exception as exc:
-                    logger.debug("semaphore listener reconnect failed: %r", exc)
-                    time.sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
-                    continue
-            conn = self.conn
-            assert conn is not None
-            try:
-                for n in conn.notifies(timeout=1.0):
-                    if n.channel == self.channel:
-                        self._wake(n.payload)
-            except Exception as exc:
-                logger.info("semaphore listener connection lost (%r); waiters poll meanwhile",
-                            exc)
-                self._drop()
-                self._wake(None)
-                continue
-            with self.lock:
-                busy = bool(self.subscribers)
-            now = time.monotonic()
-            if busy:
-                idle_since = None
-            elif idle_since is None:
-                idle_since = now
-            elif now - idle_since > _LISTENER_IDLE and _retire(self):
-                return
-        self._drop()
-
-
-_listeners: dict[tuple[Any, ...], _Listener] = {}
-_listeners_lock = threading.Lock()
-
-
-def _listener(source: Source, schema: str, sem: Semaphore, deadline: float) -> _Listener | None:
-    """The (source, schema) listener, started if needed, with ``sem`` subscribed to it (under
-    the same lock as :func:`_retire`, so it cannot be retired in between). A new one must be
-    listening by ``deadline`` (:func:`listen_deadline`), or waiters poll."""
-    key = (source.key, schema)
-    with _listeners_lock:
-        lst = _listeners.get(key)
-        if lst is None or lst.closed:
-            try:
-                lst = _Listener(source, schema, deadline)
-            except Exception as exc:
-                logger.info(
-                    "could not LISTEN for semaphore releases (%r); waiters poll instead", exc
-                )
-                return None
-            _listeners[key] = lst
-        lst.subscribe(sem)
-        return lst
-
-
-def _retire(lst: _Listener) -> bool:
-    with _listeners_lock, lst.lock:
-        if lst.subscribers:
-            return False
-        lst.closed = True
-        if _listeners.get(lst.key) is lst:
-            del _listeners[lst.key]
-    lst._drop()
-    return True
-
-
-def _after_fork_in_child() -> None:
-    global _listeners_lock
-    _listeners.clear()
-    _listeners_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+        translated = _conn.translate(exc, _conn.Context())
+        if translated is None:
+            raise
+        raise translated from exc
 
 
 # --- permits and the semaphore ---------------------------------------------------------------
 
 
-class Permit:
+class Permit(_ttl.Held):
     """Permits held on a semaphore by one acquisition; returned by :meth:`Semaphore.hold`.
 
     ``with sem.hold(permits=2) as permit:`` yields it. :meth:`check` raises
@@ -347,11 +133,19 @@ class Permit:
     Thread safety: belongs to the thread that acquired it.
     """
 
-    def __init__(self, sem: Semaphore, holder: str, permits: int, deadline: float) -> None:
+    def __init__(
+        self, sem: Semaphore, source: Source, holder: str, permits: int, sent: float
+    ) -> None:
         self._sem = sem
         self.holder = holder
         self.permits = permits
-        self._deadline = deadline
+        self._lock = sem._lock
+        self._source = source
+        self._schema = sem._schema
+        self._group = (source.key, sem._schema)
+        self._ttl = sem._ttl
+        self._sent_at = sent
+        self._deadline = sent + sem._ttl
         self._lost: str | None = None
         self._released = False
 
@@ -396,6 +190,65 @@ class Permit:
         state = "held" if self.held else ("released" if self._released else "lost")
         return f"<pglock.Permit {self.name!r} permits={self.permits} {state}>"
 
+    # -- the keepalive's hooks -------------------------------------------------------------
+
+    def _live(self) -> bool:
+        return not self._released and self._lost is None
+
+    def _lose(self, reason: str) -> None:
+        with self._lock:
+            if not self._live():
+                return
+            self._lost = reason
+        _ttl.unregister(self)
+        logger.warning("semaphore %r: permit lost: %s", self.name, reason)
+
+    @classmethod
+    def _renew_batch(cls, permits: list[Permit]) -> None:
+        """One ``semaphore_extend`` statement for the due permits of a (source, schema), of
+        every semaphore."""
+        live = [p for p in permits if p._live()]
+        if not live:
+            return
+        source, schema = live[0]._source, live[0]._schema
+        by_name: dict[tuple[str, float], list[str]] = {}
+        for p in live:
+            by_name.setdefault((p.name, p._ttl), []).append(p.holder)
+        stmt = _sql.semaphore_extend(
+            schema, [(name, holders, ttl) for (name, ttl), holders in sorted(by_name.items())]
+        )
+        sent = time.monotonic()
+        # An answer after the earliest deadline would come too late for that permit.
+        wait = max(0.05, min(p._deadline for p in live) - sent)
+        try:
+            rows = _run(source, "extend", schema, stmt, sent + wait, timeout=wait)[0]
+        except Exception as exc:
+            logger.info("renewing %d semaphore permit(s) failed, retrying: %r", len(live), exc)
+            for p in live:
+                p._renew_failed(sent)
+            return
+        received = time.monotonic()
+        renewed = {r[0] for r in rows}  # holder ids are unique per acquisition
+        for p in live:
+            p._renewed(p.holder in renewed, sent, received)
+
+    def _renewed(self, renewed: bool, sent: float, received: float) -> None:
+        """Apply a renewal's answer: a permit renewed moves its deadline on, unless the answer
+        came after its deadline (a late answer never brings a lost permit back)."""
+        with self._lock:
+            if not self._live():
+                return
+            if not renewed:
+                reason = "the renewal found it expired (its holder paused too long)"
+            elif received >= self._deadline:
+                reason = "a renewal's answer arrived after the permit's client deadline"
+            else:
+                self._sent_at = max(self._sent_at, sent)
+                self._deadline = max(self._deadline, sent + self._ttl)
+                self._retry_at = None
+                return
+        self._lose(reason)
+
 
 class _Hold:
     """``sem.hold(permits, timeout)``: acquires at ``with`` and yields the :class:`Permit`."""
@@ -437,8 +290,9 @@ class Semaphore:
     At most ``limit`` permits are held at once, summed over all holders; an acquisition may take
     several (``permits=k``). The limit is stored with the semaphore by its first acquire; a
     caller passing another limit gets :class:`pglock.LimitMismatch`. A holder's permits expire
-    ``ttl`` seconds after their last renewal (a keepalive thread renews them every ``ttl/3``),
-    so a crashed holder's permits come back within ``ttl``.
+    ``ttl`` seconds after their last renewal (pglock's keepalive renews them every ``ttl/3``,
+    with the other permits and leases of their source), so a crashed holder's permits come
+    back within ``ttl``.
 
     * ``with sem:`` takes one permit (waits as long as needed), ``acquire()``/``release()``
       like :class:`threading.Semaphore` (``release()`` gives back this thread's latest);
@@ -478,17 +332,12 @@ class Semaphore:
             raise TypeError(f"metadata must be JSON-serializable: {exc}") from None
         self._owner = _default_owner()
 
-        self._cond = threading.Condition(threading.Lock())
-        self._version = 0  # bumped by anything that may have freed permits
-        self._queue: deque[object] = deque()
+        self._lock = threading.Lock()  # the fields below and those of its permits
         self._held: dict[str, Permit] = {}
         self._by_thread: dict[threading.Thread, list[Permit]] = {}
-        self._keepalive: threading.Thread | None = None
         self._rng = random.Random()
         #: Acquire statements this object sent (tests count them to show how waiters wake).
         self._attempts = 0
-        #: The NOTIFY listener this object is subscribed to while it has waiters.
-        self._listening: _Listener | None = None
 
     @classmethod
     def _for_locker(
@@ -526,11 +375,11 @@ class Semaphore:
         rows = _run(
             self._src(), "info", self._schema, _sql.semaphore_info(self._schema, self._name),
             short_deadline(self._ttl),
-        )
+        )[0]
         return int(rows[0][2]) if rows else 0
 
     def __repr__(self) -> str:
-        with self._cond:
+        with self._lock:
             mine = sum(p.permits for p in self._held.values())
         return f"<pglock.Semaphore {self._name!r} limit={self._limit} held_here={mine}>"
 
@@ -538,6 +387,10 @@ class Semaphore:
         if self._source is None:
             self._source = make_source(self._get_source())
         return self._source
+
+    def _wait_key(self, source: Source) -> tuple[Any, ...]:
+        """Where this object's waiters queue (see :func:`_ttl.wait`; the owner is ``self``)."""
+        return (source.key, self._schema, semaphore_channel(self._schema), self._name)
 
     def close(self) -> None:
         """Close the connections pglock keeps open for this semaphore, if nobody else uses
@@ -549,10 +402,7 @@ class Semaphore:
         src = self._source
         if src is None:
             return
-        with _listeners_lock:
-            lst = _listeners.get((src.key, self._schema))
-        if lst is not None:
-            _retire(lst)
+        _ttl._waiters.retire(self._wait_key(src)[:3])
         if isinstance(src, DsnSource):
             src.close()
 
@@ -568,7 +418,7 @@ class Semaphore:
         permit = self._acquire(_count_arg(permits, "permits"), validate_timeout(timeout))
         if permit is None:
             return False
-        with self._cond:
+        with self._lock:
             self._by_thread.setdefault(threading.current_thread(), []).append(permit)
         return True
 
@@ -579,7 +429,7 @@ class Semaphore:
         :raises pglock.LockLost: they had expired meanwhile (given back all the same).
         """
         me = threading.current_thread()
-        with self._cond:
+        with self._lock:
             stack = self._by_thread.get(me)
             if not stack:
                 raise RuntimeError(
@@ -622,78 +472,18 @@ class Semaphore:
             )
         source = self._src()
         deadline = None if timeout is None else time.monotonic() + timeout
-        ticket = object()
-        with self._cond:
-            self._queue.append(ticket)
-        try:
-            attempt = 0
-            while True:
-                with self._cond:
-                    # Arrival order within this object: only the first waiter asks.
-                    while self._queue[0] is not ticket:
-                        remaining = _remaining(deadline)
-                        if remaining == 0:
-                            return None
-                        self._cond.wait(remaining)
-                    version = self._version
-                permit, retry_in = self._try(source, permits, deadline, wait=timeout != 0)
-                if permit is not None:
-                    return permit
-                remaining = _remaining(deadline)
-                if remaining == 0:
-                    return None
-                # Refused: LISTEN from now on (an uncontended acquire never opens the LISTEN
-                # connection). A release sent before LISTEN was active went unheard, so try
-                # again at once when the subscription is new.
-                listener, new = self._listen(source, deadline)
-                if new:
-                    continue
-                attempt += 1
-                pause = self._fallback(listener, attempt)
-                if retry_in is not None:
-                    pause = min(pause, retry_in + _EXPIRY_MARGIN)
-                if remaining is not None:
-                    pause = min(pause, remaining)
-                with self._cond:
-                    end = time.monotonic() + pause
-                    while self._version == version:
-                        left = end - time.monotonic()
-                        if left <= 0:
-                            break
-                        self._cond.wait(left)
-        finally:
-            with self._cond:
-                self._queue.remove(ticket)
-                if not self._queue and self._listening is not None:
-                    self._listening.unsubscribe(self)
-                    self._listening = None
-                self._cond.notify_all()  # the next in line goes at once
-
-    def _listen(
-        self, source: Source, deadline: float | None
-    ) -> tuple[_Listener | None, bool]:
-        """This object's NOTIFY subscription, made now if needed: (listener, made now)."""
-        with self._cond:
-            current = self._listening
-        if current is not None and not current.closed:
-            return current, False
-        lst = _listener(source, self._schema, self, listen_deadline(deadline))
-        with self._cond:
-            self._listening = lst
-        return lst, lst is not None
-
-    def _fallback(self, listener: _Listener | None, attempt: int) -> float:
-        if listener is not None and listener.healthy:
-            return self._rng.uniform(*_FALLBACK_POLL)
-        low, high = _DEGRADED_POLL
-        return self._rng.uniform(0.5, 1.0) * min(high, low * 2.0 ** min(attempt, 16))
+        wait = timeout != 0
+        permit: Permit | None = _ttl.wait(
+            SEMAPHORES, source, self._schema, self._name, self, deadline,
+            lambda _left: self._try(source, permits, deadline, wait=wait),
+        )
+        return permit
 
     def _try(
         self, source: Source, permits: int, deadline: float | None, *, wait: bool
-    ) -> tuple[Permit | None, float | None]:
+    ) -> _ttl.Attempt:
         """One acquire statement (cut off at ``deadline`` plus grace; without a deadline, at
-        ``WAIT_CHUNK`` plus grace). Returns the permit, or None and when to try again
-        (None: on the next wake-up)."""
+        ``WAIT_CHUNK`` plus grace): the waiter's attempt (see :func:`_ttl.wait`)."""
         holder = f"{self._owner}:{uuid.uuid4().hex}"
         stmt = _sql.semaphore_acquire(
             self._schema, self._name, self._limit, holder, permits, self._ttl, self._metadata,
@@ -703,13 +493,13 @@ class Semaphore:
         self._attempts += 1
         cut_off = (sent + WAIT_CHUNK if deadline is None else deadline) + ANSWER_GRACE
         try:
-            rows = _run(source, "acquire", self._schema, stmt, cut_off)
+            rows = _run(source, "acquire", self._schema, stmt, cut_off)[0]
         except NoAnswer as exc:
             logger.warning(
                 "acquiring semaphore %r got no answer in time (a permit it may have been "
                 "granted expires at its TTL): %s", self._name, exc,
             )
-            return None, self._rng.uniform(0.005, 0.02)
+            return None, False, time.monotonic() + self._rng.uniform(0.005, 0.02)
         except psycopg.Error as exc:
             if exc.sqlstate == LIMIT_MISMATCH:
                 raise LimitMismatch(
@@ -721,17 +511,18 @@ class Semaphore:
         if not granted:
             logger.debug("semaphore %r: %d of %d held, %d more do not fit", self._name, held,
                          self._limit, permits)
-            return None, None if retry_in is None else float(retry_in)
+            again = None if retry_in is None else received + float(retry_in) + _EXPIRY_MARGIN
+            return None, True, again
         if received >= sent + self._ttl:
             self._give_back(source, holder, received - sent)
-            return None, self._rng.uniform(0.005, 0.02)
-        permit = Permit(self, holder, permits, sent + self._ttl)
-        with self._cond:
+            return None, False, time.monotonic() + self._rng.uniform(0.005, 0.02)
+        permit = Permit(self, source, holder, permits, sent)
+        with self._lock:
             self._held[holder] = permit
-            self._ensure_keepalive()
+        _ttl.register(permit)
         logger.debug("acquired %d permit(s) of semaphore %r (%d of %d held)", permits,
                      self._name, held, self._limit)
-        return permit, None
+        return permit, False, None
 
     def _give_back(self, source: Source, holder: str, took: float) -> None:
         """A grant whose answer came after its client deadline (send time + ttl): never
@@ -757,30 +548,31 @@ class Semaphore:
             rows = _run(
                 source, "info", self._schema, _sql.semaphore_info(self._schema, self._name),
                 short_deadline(self._ttl),
-            )
+            )[0]
         except psycopg.Error:
             return None
         return int(rows[0][1]) if rows else None
 
     def _poke(self) -> None:
-        with self._cond:
-            self._version += 1
-            self._cond.notify_all()
+        """Wake this object's first waiter (a local release: it tries at once)."""
+        src = self._source
+        if src is not None:
+            _ttl._waiters.poke(self._wait_key(src), self)
 
     # -- releasing ------------------------------------------------------------------------
 
     def _release_permit(self, permit: Permit) -> None:
         if permit._released:
             raise RuntimeError(f"this permit of semaphore {self._name!r} was already released")
-        permit._released = True
-        with self._cond:
+        with self._lock:
+            permit._released = True
             self._held.pop(permit.holder, None)
             for stack in self._by_thread.values():
                 if permit in stack:
                     stack.remove(permit)
-            self._cond.notify_all()  # the keepalive may stop
+        _ttl.unregister(permit)
         try:
-            rows, again = _run_once_more(
+            rows, again = _run(
                 self._src(), "release", self._schema,
                 _sql.semaphore_release(self._schema, self._name, permit.holder),
                 short_deadline(self._ttl),
@@ -799,73 +591,6 @@ class Semaphore:
             )
             raise LockLost(self._name, reason=reason)
         logger.debug("released %d permit(s) of semaphore %r", permit.permits, self._name)
-
-    # -- keepalive --------------------------------------------------------------------------
-
-    def _ensure_keepalive(self) -> None:
-        # Called with self._cond held.
-        if self._keepalive is None or not self._keepalive.is_alive():
-            self._keepalive = threading.Thread(
-                target=self._renew_loop, name=f"pglock-semaphore-keepalive:{self._name}",
-                daemon=True,
-            )
-            self._keepalive.start()
-
-    def _renew_loop(self) -> None:
-        interval = self._ttl / 3
-        next_at = time.monotonic() + interval
-        while True:
-            with self._cond:
-                while True:
-                    if not self._held:
-                        self._keepalive = None
-                        return
-                    now = time.monotonic()
-                    for p in list(self._held.values()):
-                        if now >= p._deadline and p._lost is None:
-                            p._lost = "its TTL ran out before a renewal succeeded"
-                            logger.warning("semaphore %r: permit lost: %s", self._name, p._lost)
-                    if now >= next_at:
-                        break
-                    self._cond.wait(next_at - now)
-                live = [p for p in self._held.values() if p._lost is None]
-            if not live:
-                next_at = time.monotonic() + interval
-                continue
-            sent = time.monotonic()
-            try:
-                # An answer after the earliest deadline would come too late for that permit.
-                rows = _run(
-                    self._src(), "extend", self._schema,
-                    _sql.semaphore_extend(self._schema, self._name,
-                                          [p.holder for p in live], self._ttl),
-                    max(sent + 0.05, min(p._deadline for p in live)),
-                )
-            except Exception as exc:
-                logger.info("renewing %d permit(s) of semaphore %r failed, retrying: %r",
-                            len(live), self._name, exc)
-                next_at = time.monotonic() + min(1.0, interval / 3)
-                continue
-            self._renewed(live, {r[0] for r in rows}, sent, time.monotonic())
-            next_at = sent + interval
-
-    def _renewed(
-        self, live: list[Permit], renewed: set[str], sent: float, received: float
-    ) -> None:
-        """Apply a renewal's answer: a permit renewed moves its deadline on, unless the answer
-        came after its deadline (a late answer never brings a lost permit back)."""
-        with self._cond:
-            for p in live:
-                if p._released or p._lost is not None:
-                    continue
-                if p.holder not in renewed:
-                    p._lost = "the renewal found it expired (its holder paused too long)"
-                elif received >= p._deadline:
-                    p._lost = "a renewal's answer arrived after the permit's client deadline"
-                else:
-                    p._deadline = max(p._deadline, sent + self._ttl)
-                    continue
-                logger.warning("semaphore %r: permit lost: %s", self._name, p._lost)
 
 
 def semaphore(

@@ -7,7 +7,7 @@ SQLAlchemy ``Engine``, or of a few autocommit connections pglock keeps per DSN s
 (:func:`make_source`). A statement whose connection dies under it is sent once more on a live
 connection (:meth:`Source.run_once_more`); its NOTIFY listeners open connections of their own
 (:func:`open_listening`). What the statements are, and how a failure reads, stays with the
-caller (``_lease.py``, ``_semaphore.py``).
+TTL-row client (``_ttl.py``) and its kinds (``_lease.py``, ``_semaphore.py``).
 
 **Deadlines.** A statement may carry a client-side deadline (a ``time.monotonic()`` instant).
 A watchdog thread (:class:`_Watchdog`, one per process) shuts the socket of a statement still
@@ -88,8 +88,8 @@ SHORT_DEADLINE = (1.0, 30.0)
 LISTEN_DEADLINE = 10.0
 
 #: Statements sent, by kind (the lease statements "acquire", "extend", "extend_many",
-#: "release", "guard", ..., and "ping" for a source's liveness checks): for tests and benchmarks
-#: that count round trips.
+#: "release", "guard", ..., the semaphore ones "semaphore_acquire", "semaphore_extend", ...,
+#: and "ping" for a source's liveness checks): for tests and benchmarks that count round trips.
 statements: Counter[str] = Counter()
 _stats_lock = threading.Lock()
 

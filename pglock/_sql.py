@@ -513,21 +513,29 @@ def semaphore_acquire(
     )
 
 
-def semaphore_extend(schema: str, name: str, holders: Sequence[str], ttl: float) -> sql.Composed:
-    """The holders renewed (the missing ones are no longer held). Committed durably even where
+def semaphore_extend(
+    schema: str, permits: Sequence[tuple[str, Sequence[str], float]]
+) -> sql.Composed:
+    """The holders renewed among the (name, holders, ttl) given, for any number of semaphores
+    in one round trip (the missing ones are no longer held). Committed durably even where
     ``synchronous_commit`` is off: after a crash the server must not believe a permit ends
     sooner than its holder does."""
+    renew = sql.SQL(" UNION ALL ").join(
+        sql.SQL(
+            "SELECT holder FROM {s}.semaphore_extend("
+            "{name}::text, {holders}::text[], {ttl}::float8)"
+        ).format(
+            s=sql.Identifier(schema),
+            name=sql.Literal(name),
+            holders=sql.Literal(list(holders)),
+            ttl=sql.Literal(ttl),
+        )
+        for name, holders, ttl in permits
+    )
     return sql.SQL(
         "BEGIN; SET LOCAL synchronous_commit = on; "
-        "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; "
-        "SELECT holder FROM {s}.semaphore_extend({name}::text, {holders}::text[], {ttl}::float8);"
-        " COMMIT"
-    ).format(
-        s=sql.Identifier(schema),
-        name=sql.Literal(name),
-        holders=sql.Literal(list(holders)),
-        ttl=sql.Literal(ttl),
-    )
+        "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; {renew}; COMMIT"
+    ).format(renew=renew)
 
 
 def semaphore_release(schema: str, name: str, holder: str) -> sql.Composed:

@@ -4,7 +4,8 @@ T02 killed lease holder (held until expiry, then a larger token), T03 terminated
 connections, T04 paused holder and fencing (guard) with its unfenced negative control, T12
 leases across restarts, T15 concurrent first acquire under every isolation level, T10 a lease
 source whose network goes silent (the other sources' leases live on, the silent one is lost at
-its deadline; an acquire gives up after its timeout), T14 token sequence at its maximum (last:
+its deadline; an acquire gives up after its timeout; semaphore permits renew in the same
+per-source workers, one statement per kind and round), T14 token sequence at its maximum (last:
 it exhausts this cluster's sequence).
 
 Assertions compare database-clock facts (``acquired_at`` vs the dead lease's ``expires_at``),
@@ -14,6 +15,7 @@ never wall-clock durations; durations are only recorded as measured bounds.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +35,7 @@ from .proxy import Proxy
 if not hasattr(pglock, "lease"):
     pytest.skip("pglock.lease is not there yet", allow_module_level=True)
 
-from pglock import _schema
+from pglock import _schema, _source
 
 # Grants must survive an immediate (crash) restart: keep commits synchronous here.
 CLUSTER_SETTINGS = {"synchronous_commit": "on", "max_connections": 80}
@@ -394,6 +396,104 @@ def test_T10_a_silent_lease_source_delays_no_other_source(
             time.monotonic() - t0,
         )
     assert lease_row(obs, f"{name}:healthy") is None
+
+
+def permit_row(obs: psycopg.Connection[Any], holder: str) -> tuple[Any, ...] | None:
+    """(expires_at, live?) of a semaphore permit row, on the database clock."""
+    return obs.execute(
+        "SELECT expires_at, expires_at > clock_timestamp() FROM pglock.semaphore_permit"
+        " WHERE holder = %s",
+        (holder,),
+    ).fetchone()
+
+
+def test_T10_a_silent_semaphore_source_delays_no_other_source(
+    leases_db: Cluster, app_name: str, name: str, obs: psycopg.Connection[Any], bounds: Bounds
+) -> None:
+    """Semaphore permits renew in the leases' per-source keepalive (issue 11, one TTL-row
+    client). On main every Semaphore object had a keepalive thread of its own: one renewal
+    statement per object and round, none of them counted with the lease statements. Now a
+    process renews the permits of all its semaphores on a (source, schema) in one
+    ``semaphore_extend`` statement per round, next to one ``extend_many`` for its leases there.
+    Then one source goes silent (the fault proxy): the other source's permits and lease stay
+    renewed for several TTLs, and the silent source's permit is reported lost at its client
+    deadline (a WARNING on ``pglock.semaphore``) although its renewal never returns."""
+    ttl = 1.5
+    lost_at: list[float] = []
+    lost = threading.Event()
+    silent_name = f"{name}:silent"
+
+    class Losses(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            if record.levelno >= logging.WARNING and "lost" in message and silent_name in message:
+                lost_at.append(time.monotonic())
+                lost.set()
+
+    handler = Losses()
+    logging.getLogger("pglock.semaphore").addHandler(handler)
+    try:
+        with Proxy(leases_db.port) as proxy:
+            silent_dsn = leases_db.dsn(port=proxy.port, application_name=app_name)
+            healthy_dsn = leases_db.dsn(application_name=app_name)
+            leases = [pglock.lease(silent_dsn, silent_name, ttl=ttl),
+                      pglock.lease(healthy_dsn, f"{name}:healthy", ttl=ttl)]
+            assert all(lease.acquire(timeout=5) for lease in leases)
+            silent_sem = pglock.semaphore(silent_dsn, silent_name, 1, ttl=ttl)
+            healthy_sems = [
+                pglock.semaphore(healthy_dsn, f"{name}:healthy:{i}", 2, ttl=ttl) for i in range(3)
+            ]
+            silent = silent_sem.hold(timeout=5).__enter__()
+            healthy = [sem.hold(timeout=5).__enter__() for sem in healthy_sems]
+
+            # One statement per kind, (source, schema) and round: two sources, so as many
+            # semaphore renewals as lease renewals (give or take a round cut by the window
+            # at each end), not one per Semaphore object (four).
+            time.sleep(ttl)  # the rounds of grants made a few ms apart merge
+            before = dict(_source.statements)
+            time.sleep(2 * ttl)
+            after = dict(_source.statements)
+            lease_rounds = after.get("extend_many", 0) - before.get("extend_many", 0)
+            permit_rounds = after.get("semaphore_extend", 0) - before.get("semaphore_extend", 0)
+            assert lease_rounds >= 4, lease_rounds  # about 6 per source
+            assert abs(permit_rounds - lease_rounds) <= 2, (permit_rounds, lease_rounds)
+
+            proxy.set_mode("blackhole")
+            cut = time.monotonic()
+            seen: dict[str, list[Any]] = {p.holder: [] for p in healthy}
+            while time.monotonic() < cut + 3 * ttl:  # bounded: three TTLs
+                for permit in healthy:
+                    row = permit_row(obs, permit.holder)
+                    assert row is not None and row[1] is True, f"a healthy permit expired: {row}"
+                    if not seen[permit.holder] or row[0] != seen[permit.holder][-1]:
+                        seen[permit.holder].append(row[0])
+                row = lease_row(obs, f"{name}:healthy")
+                assert row is not None and row[3] is True, f"the healthy lease expired: {row}"
+                time.sleep(0.1)
+            for renewals in seen.values():
+                assert len(renewals) >= 4 and renewals == sorted(renewals)  # about every ttl/3
+            assert lost.wait(10), "the silent source's permit was never reported lost"
+            assert lost_at[0] >= silent._deadline  # never before its client deadline
+            bounds.record(
+                "T10", "semaphore",
+                "silent source: permit reported lost after its client deadline (ttl 1.5 s)",
+                lost_at[0] - silent._deadline,
+            )
+            assert not silent.held
+            with pytest.raises(pglock.LockLost):
+                silent.check()
+            for permit in healthy:
+                assert permit.held
+                permit.check()
+                permit.release()
+            leases[1].check()
+            leases[1].release()
+            for handle in (silent, leases[0]):  # into the silent network: an error, bounded
+                with pytest.raises((pglock.LockLost, psycopg.OperationalError)):
+                    handle.release()
+            assert all(permit_row(obs, p.holder) is None for p in healthy)
+    finally:
+        logging.getLogger("pglock.semaphore").removeHandler(handler)
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["idle-connection", "new-connection"])

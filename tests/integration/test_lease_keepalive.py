@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def keepalive_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "pglock-lease-keepalive"]
+    return [t for t in threading.enumerate() if t.name == "pglock-keepalive"]
 
 
 def test_1000_leases_are_renewed_by_one_thread_in_one_statement_per_round(

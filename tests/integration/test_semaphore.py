@@ -27,7 +27,7 @@ from psycopg.conninfo import make_conninfo
 from psycopg_pool import ConnectionPool
 
 import pglock
-from pglock import _semaphore, _source
+from pglock import _semaphore, _source, _ttl
 from pglock._schema import install
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -249,9 +249,10 @@ def test_locker_and_engine_sources(
             assert not sem.acquire(timeout=0)
             # A waiter through the engine LISTENs on a connection of its own.
             assert not via_engine.acquire(timeout=0.1)
-            listener = _semaphore._listeners[(("engine", id(engine)), schema)]
+            channel = _semaphore.semaphore_channel(schema)
+            listener = _ttl._waiters.listeners[(("engine", id(engine)), schema, channel)]
             assert listener.healthy
-        _semaphore._retire(listener)
+        via_engine.close()
     finally:
         engine.dispose()
 
@@ -349,7 +350,7 @@ def test_waiters_wake_on_release_notify_not_a_poll(
     A refused waiter subscribes to the NOTIFY channel and tries once more (a release before
     its LISTEN was active would go unheard), then sleeps: two refused attempts, and the
     third, after the release, is granted."""
-    monkeypatch.setattr(_semaphore, "_FALLBACK_POLL", (60.0, 60.0))
+    monkeypatch.setattr(_ttl, "FALLBACK_POLL", (60.0, 60.0))
     holder_side = pglock.semaphore(pool, name, 1, schema=schema)
     waiter_side = pglock.semaphore(pool, name, 1, schema=schema)  # another object: no local poke
     results: list[bool] = []
@@ -394,6 +395,12 @@ def test_waiters_wake_on_release_notify_not_a_poll(
     wait_until(lambda: sessions() == 0, 5, "the LISTEN session to end")
 
 
+def queue_length(sem: pglock.Semaphore) -> int:
+    """How many threads wait in ``sem``'s own queue (the shared client's, owned by ``sem``)."""
+    q = _ttl._waiters.queues.get(sem._wait_key(sem._src()), {}).get(sem)
+    return len(q.tickets) if q is not None else 0
+
+
 def test_local_waiters_go_in_arrival_order(pool: ConnectionPool[Any], schema: str,
                                            name: str) -> None:
     sem = pglock.semaphore(pool, name, 1, schema=schema)
@@ -410,7 +417,7 @@ def test_local_waiters_go_in_arrival_order(pool: ConnectionPool[Any], schema: st
         t.start()
         threads.append(t)
         queued = i + 1
-        wait_until(lambda: len(sem._queue) == queued, 5, "the waiter to queue")  # noqa: B023
+        wait_until(lambda: queue_length(sem) == queued, 5, "the waiter to queue")  # noqa: B023
     sem.release()
     for t in threads:
         t.join(10)
