@@ -29,6 +29,7 @@ from psycopg.rows import tuple_row
 
 from . import _sql
 from ._classify import HELD, Kind, check_driver, classify
+from ._deadline import within
 from .errors import (
     DeadlockDetected,
     InvalidConnectionState,
@@ -272,12 +273,12 @@ def run_one(
 #: caller's connection. The server's ``lock_timeout`` has answered by then if it can; a
 #: statement still unanswered (a silent network, a stalled server) is cut off and its
 #: connection closed (its session ends, and every lock of it with it, once the server sees).
-ANSWER_GRACE = 5.0
+CALLER_ANSWER_GRACE = 5.0
 
 
 def answer_deadline(deadline: float | None) -> float | None:
     """The instant by which a lock statement with the attempt ``deadline`` must be answered."""
-    return None if deadline is None else deadline + ANSWER_GRACE
+    return None if deadline is None else deadline + CALLER_ANSWER_GRACE
 
 
 def _fetch(
@@ -289,8 +290,6 @@ def _fetch(
     """:func:`fetch`, cut off at ``ctx.deadline`` when there is one."""
     if ctx is None or ctx.deadline is None:
         return fetch(conn, query, params)
-    from ._source import within  # _source builds on this module
-
     return within(conn, ctx.deadline, lambda: fetch(conn, query, params), "a lock statement")
 
 

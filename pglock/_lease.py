@@ -32,13 +32,13 @@ from psycopg.pq import TransactionStatus
 
 from . import _conn, _sql, _ttl
 from ._classify import HELD, SOURCES, classify
+from ._deadline import NoAnswer
 from ._keys import validate_flag, validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
 from ._source import (
     ANSWER_GRACE,
     SHORT_DEADLINE,
     WAIT_CHUNK,
-    NoAnswer,
     Source,
     short_deadline,
 )

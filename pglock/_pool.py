@@ -672,7 +672,7 @@ class Locker:
             if self._own_pool is None:
                 from psycopg_pool import ConnectionPool
 
-                from ._source import connect_extra
+                from ._deadline import connect_extra
 
                 kwargs: dict[str, Any] = {"min_size": 1, "max_size": 10, "name": "pglock"}
                 kwargs.update(self._pool_kwargs)

@@ -183,7 +183,7 @@ def install(target: str | psycopg.Connection[Any], *, schema: str = DEFAULT_SCHE
             raise ValueError("the DSN must not be empty")
         from psycopg.conninfo import make_conninfo
 
-        from ._source import connect_extra
+        from ._deadline import connect_extra
 
         dsn = cast(str, target)
         with psycopg.connect(make_conninfo(dsn, **connect_extra(dsn)), autocommit=True) as conn:

@@ -23,9 +23,10 @@ import psycopg
 from psycopg import sql
 
 from . import _conn, _sql, _ttl
+from ._deadline import NoAnswer
 from ._keys import validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, validate_schema
-from ._source import ANSWER_GRACE, WAIT_CHUNK, DsnSource, NoAnswer, Source, short_deadline
+from ._source import ANSWER_GRACE, WAIT_CHUNK, DsnSource, Source, short_deadline
 from ._source import make_source as _make_source
 from .errors import LimitMismatch, LockLost, LockNotAcquired
 

@@ -9,15 +9,8 @@ connection (:meth:`Source.run_once_more`); its NOTIFY listeners open connections
 (:func:`open_listening`). What the statements are, and how a failure reads, stays with the
 TTL-row client (``_ttl.py``) and its kinds (``_lease.py``, ``_semaphore.py``).
 
-**Deadlines.** A statement may carry a client-side deadline (a ``time.monotonic()`` instant).
-A watchdog thread (:class:`_Watchdog`, one per process) shuts the socket of a statement still
-running at its deadline down, so that the blocked psycopg call returns at once with an
-``OperationalError`` even when the network is silent (no FIN, no RST: TCP would wait for
-minutes); the connection is then closed and never reused, and the caller gets
-:class:`NoAnswer`: the outcome of the statement is unknown. Connections that pglock opens
-itself (DSN sources, NOTIFY listeners) get ``connect_timeout`` and TCP keepalive parameters
-(:data:`CONNECT_DEFAULTS`) unless the DSN sets them, and a connect attempt is given up at the
-deadline too (it finishes in the background; a late connection is kept or closed).
+**Deadlines.** Every statement carries a client-side deadline (:mod:`pglock._deadline`
+cuts it off when it passes); the policy for lease and semaphore statements is below.
 """
 
 from __future__ import annotations
@@ -25,11 +18,8 @@ from __future__ import annotations
 import atexit
 import functools
 import getpass
-import heapq
-import itertools
 import logging
 import os
-import socket
 import threading
 import time
 from collections import Counter
@@ -42,6 +32,7 @@ from psycopg.pq import TransactionStatus
 
 from . import _conn, _sql
 from ._classify import HELD, SOURCES, Kind, check_driver, classify
+from ._deadline import NoAnswer, close_quietly, connect_extra, connect_within, within
 
 logger = logging.getLogger("pglock.source")
 
@@ -54,23 +45,6 @@ _MIN_CHECKOUT = 0.05
 #: After a lost connection, how many connections of a pool or an engine are tried at most
 #: (each one pinged) before the statement is sent on the last one anyway.
 _MAX_PINGS = 32
-
-#: libpq parameters added to the connections pglock opens itself (DSN sources, NOTIFY
-#: listeners) unless the DSN (or the pool's ``kwargs``) sets them: a connect gives up after
-#: 10 s, and the kernel declares a silent peer dead within about 25 s on an idle connection
-#: (keepalives) and 30 s with data unacknowledged (``tcp_user_timeout``, milliseconds). A
-#: ``PGCONNECT_TIMEOUT`` environment variable is left to libpq. Statement deadlines do not
-#: depend on these: see :class:`_Watchdog`.
-CONNECT_DEFAULTS: Mapping[str, str] = {
-    "connect_timeout": "10",
-    "keepalives": "1",
-    "keepalives_idle": "10",
-    "keepalives_interval": "5",
-    "keepalives_count": "3",
-    "tcp_user_timeout": "30000",
-}
-#: How long the watchdog thread lingers without anything to watch before it exits.
-_WATCHDOG_IDLE = 30.0
 
 # Deadlines of the lease and semaphore statements (one policy for both; see docs/leases.md,
 # "Deadlines and a silent network").
@@ -103,120 +77,6 @@ def count(kind: str) -> None:
 # --- deadlines -----------------------------------------------------------------------------------
 
 
-class NoAnswer(psycopg.OperationalError):
-    """A statement (or a connect) got no answer by its client-side deadline: pglock closed its
-    connection. Whether the statement ran on the server is unknown."""
-
-
-class _Watch:
-    """One armed deadline: the connection to cut off when it passes."""
-
-    __slots__ = ("armed", "conn", "deadline", "fired")
-
-    def __init__(self, conn: psycopg.Connection[Any], deadline: float) -> None:
-        self.conn = conn
-        self.deadline = deadline
-        self.armed = True
-        self.fired = False
-
-
-class _Watchdog:
-    """Cuts off statements still running at their deadline: one thread per process.
-
-    :meth:`arm` before a statement, :meth:`disarm` after it (both cheap: a heap push and a
-    flag under one lock). When a deadline passes while armed, the thread shuts the
-    connection's socket down (on a duplicate of its file descriptor, which it then closes):
-    the psycopg call blocked on it returns at once with an ``OperationalError``, whatever the
-    network does. Firing and disarming take the same lock, so a connection that was disarmed
-    (and may be back in a pool) is never touched.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._heap: list[tuple[float, int, _Watch]] = []
-        self._armed = 0
-        self._seq = itertools.count()
-        self._thread: threading.Thread | None = None
-
-    def arm(self, conn: psycopg.Connection[Any], deadline: float) -> _Watch:
-        watch = _Watch(conn, deadline)
-        with self._lock:
-            earliest = not self._heap or deadline < self._heap[0][0]
-            heapq.heappush(self._heap, (deadline, next(self._seq), watch))
-            self._armed += 1
-            if len(self._heap) > 4 * self._armed + 1024:
-                # Disarmed entries leave the heap lazily; drop them when they pile up.
-                self._heap = [e for e in self._heap if e[2].armed]
-                heapq.heapify(self._heap)
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="pglock-statement-watchdog", daemon=True
-                )
-                self._thread.start()
-            elif earliest:
-                self._cond.notify()
-        return watch
-
-    def disarm(self, watch: _Watch) -> bool:
-        """Stop watching; True if the deadline had fired (the connection is cut off)."""
-        with self._lock:
-            if watch.armed:
-                watch.armed = False
-                self._armed -= 1
-            return watch.fired
-
-    def _run(self) -> None:
-        with self._lock:
-            while True:
-                heap = self._heap
-                while heap and not heap[0][2].armed:
-                    heapq.heappop(heap)
-                now = time.monotonic()
-                if not heap:
-                    if not self._cond.wait(_WATCHDOG_IDLE) and not self._heap:
-                        self._thread = None
-                        return
-                    continue
-                deadline, _, watch = heap[0]
-                if deadline > now:
-                    self._cond.wait(deadline - now)
-                    continue
-                heapq.heappop(heap)
-                watch.armed = False
-                watch.fired = True
-                self._armed -= 1
-                _cut_off(watch.conn)
-
-
-def _cut_off(conn: psycopg.Connection[Any]) -> None:
-    """Shut ``conn``'s socket down for both directions, without closing its descriptor (libpq
-    owns it): a blocked read returns end-of-file at once."""
-    try:
-        fd = conn.pgconn.socket
-    except Exception:  # closed meanwhile: nothing blocks on it
-        return
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return
-    try:
-        sock = socket.socket(fileno=dup)
-    except OSError:
-        os.close(dup)
-        return
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        logger.debug("shutting a connection's socket down failed", exc_info=True)
-    finally:
-        sock.close()
-    logger.debug("cut off a connection whose statement passed its deadline")
-
-
-_watchdog = _Watchdog()
-
-
 def short_deadline(ttl: float) -> float:
     """The deadline of a statement that waits for nothing, sent now (:data:`SHORT_DEADLINE`)."""
     low, high = SHORT_DEADLINE
@@ -228,118 +88,6 @@ def listen_deadline(wait_deadline: float | None) -> float:
     within the first waiter's own deadline plus :data:`ANSWER_GRACE`."""
     limit = time.monotonic() + LISTEN_DEADLINE
     return limit if wait_deadline is None else min(limit, wait_deadline + ANSWER_GRACE)
-
-
-def within(
-    conn: psycopg.Connection[Any],
-    deadline: float | None,
-    call: Callable[[], T],
-    what: str,
-) -> T:
-    """``call()`` (statements on ``conn``) cut off at ``deadline`` (a monotonic instant; None:
-    no deadline).
-
-    A call cut off raises :class:`NoAnswer` (its cause the psycopg error it ended with) and
-    leaves ``conn`` closed: its protocol state is unknown, so it is never reused. A call that
-    returned although the deadline fired as it did keeps its result; its connection is closed
-    all the same.
-
-    :param what: the statement, for the error message.
-    """
-    if deadline is None:
-        return call()
-    if time.monotonic() >= deadline:
-        raise NoAnswer(f"pglock: no time left to send {what} (its deadline had passed)")
-    watch = _watchdog.arm(conn, deadline)
-    try:
-        result = call()
-    except BaseException as exc:
-        if not _watchdog.disarm(watch):
-            raise
-        _close_quietly(conn)
-        if not isinstance(exc, Exception):
-            raise
-        raise NoAnswer(
-            f"pglock: {what} got no answer by its deadline; its connection was closed "
-            "(whether it ran on the server is unknown)"
-        ) from exc
-    if _watchdog.disarm(watch):
-        _close_quietly(conn)
-    return result
-
-
-def _close_quietly(conn: psycopg.Connection[Any]) -> None:
-    try:
-        conn.close()
-    except Exception:
-        logger.debug("closing a cut-off connection failed", exc_info=True)
-
-
-def connect_extra(conninfo: str, kwargs: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """The :data:`CONNECT_DEFAULTS` that neither ``conninfo`` nor ``kwargs`` set (nor, for
-    ``connect_timeout``, the ``PGCONNECT_TIMEOUT`` environment variable)."""
-    try:
-        given = set(conninfo_to_dict(conninfo))
-    except psycopg.ProgrammingError:
-        given = set()
-    if kwargs:
-        given |= {k for k, v in kwargs.items() if v is not None}
-    if os.environ.get("PGCONNECT_TIMEOUT"):
-        given.add("connect_timeout")
-    return {k: v for k, v in CONNECT_DEFAULTS.items() if k not in given}
-
-
-def connect_within(
-    connect: Callable[[], psycopg.Connection[Any]],
-    deadline: float | None,
-    late: Callable[[psycopg.Connection[Any]], None],
-) -> psycopg.Connection[Any]:
-    """``connect()``, given up at ``deadline``.
-
-    libpq's ``connect_timeout`` counts whole seconds (at least 2) per host; a waiter with less
-    time than that must not wait for it. With a deadline the connect runs in a thread of its
-    own: if it has not finished by then, :class:`NoAnswer` is raised and the connection, if
-    it comes later, goes to ``late`` (which keeps or closes it).
-    """
-    if deadline is None:
-        return connect()
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise NoAnswer("pglock: no time left to open a connection (its deadline had passed)")
-    lock = threading.Lock()
-    done = threading.Event()
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            conn = connect()
-        except BaseException as exc:
-            with lock:
-                box["error"] = exc
-            done.set()
-            return
-        with lock:
-            abandoned = box.get("abandoned", False)
-            if not abandoned:
-                box["conn"] = conn
-        done.set()
-        if abandoned:
-            late(conn)
-
-    threading.Thread(target=run, name="pglock-connect", daemon=True).start()
-    done.wait(left)
-    with lock:
-        if "conn" in box:
-            conn: psycopg.Connection[Any] = box["conn"]
-            return conn
-        if "error" in box:
-            error: BaseException = box["error"]
-            raise error
-        box["abandoned"] = True
-    raise NoAnswer(
-        f"pglock: opening a connection took longer than the {left:.2f} s left (it goes on in "
-        "the background)"
-    )
 
 
 def database_identity(params: Mapping[str, Any]) -> tuple[str, ...]:
@@ -577,7 +325,7 @@ class PoolSource(Source):
         kwargs["autocommit"] = True
         kwargs.update(connect_extra(conninfo, kwargs))
         conn = connect_within(
-            lambda: pool.connection_class.connect(conninfo, **kwargs), deadline, _close_quietly
+            lambda: pool.connection_class.connect(conninfo, **kwargs), deadline, close_quietly
         )
         return conn, conn.close
 
@@ -702,7 +450,7 @@ class DsnSource(Source):
     def open_listener(
         self, deadline: float | None = None
     ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        conn = connect_within(self._connect, deadline, _close_quietly)
+        conn = connect_within(self._connect, deadline, close_quietly)
         return conn, conn.close
 
     def close(self) -> None:
@@ -736,9 +484,8 @@ atexit.register(close_dsn_sources)
 
 def _after_fork_in_child() -> None:
     # Connections and locks do not survive a fork: the child opens its own.
-    global _dsn_lock, _stats_lock, _watchdog
+    global _dsn_lock, _stats_lock
     _dsn_lock = threading.Lock()
-    _watchdog = _Watchdog()  # its thread is the parent's
     _stats_lock = threading.Lock()
     _dsn_sources.clear()
 

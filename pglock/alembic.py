@@ -121,7 +121,7 @@ def _psycopg_opener(dsn: str) -> _Opener:
     def open_() -> tuple[Any, Callable[[bool], None]]:
         from psycopg.conninfo import make_conninfo
 
-        from ._source import connect_extra
+        from ._deadline import connect_extra
 
         conn = psycopg.connect(make_conninfo(dsn, **connect_extra(dsn)), autocommit=True)
         return conn, lambda discard: conn.close()

@@ -192,7 +192,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     dsn = _dsn(args)
     from psycopg.conninfo import make_conninfo
 
-    from ._source import connect_extra
+    from ._deadline import connect_extra
 
     conn = psycopg.connect(
         make_conninfo(dsn, **connect_extra(dsn)), autocommit=True,

@@ -2,7 +2,7 @@
 database goes silent (issue 11: a client-side deadline on every statement pglock sends).
 
 The server answers a timed attempt by its ``lock_timeout``; with no answer by the timeout
-plus ``pglock._conn.ANSWER_GRACE`` (a silent network, a stalled server), pglock cuts the
+plus ``pglock._conn.CALLER_ANSWER_GRACE`` (a silent network, a stalled server), pglock cuts the
 connection off: the attempt raises ``psycopg.OperationalError`` and the connection is closed
 (its session, and any lock it held, ends once the server notices). Before, the attempt
 waited for TCP to give up (about 15 minutes with the kernel's defaults).
@@ -98,7 +98,7 @@ def test_a_timed_attempt_into_a_silent_network_gives_up(
         bounds.record(
             "T10", "session" if kind != "xact_lock" else "xact",
             f"{kind}(timeout={timeout:g}) into a silent network gave up "
-            f"(answer grace {_conn.ANSWER_GRACE:g} s)",
+            f"(answer grace {_conn.CALLER_ANSWER_GRACE:g} s)",
             took,
         )
     finally:
@@ -130,7 +130,7 @@ def test_a_wait_without_timeout_is_not_cut_off(
     )
     with psycopg.connect(via_proxy, autocommit=True) as caller:
         release = threading.Timer(
-            _conn.ANSWER_GRACE + 1, lambda: holder.execute("SELECT pg_advisory_unlock_all()")
+            _conn.CALLER_ANSWER_GRACE + 1, lambda: holder.execute("SELECT pg_advisory_unlock_all()")
         )
         release.start()
         try:

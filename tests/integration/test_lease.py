@@ -40,7 +40,7 @@ from test_lease_support import (
 )
 
 import pglock
-from pglock import _lease, _source
+from pglock import _deadline, _lease
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -997,7 +997,7 @@ def test_dsn_source_connections_get_a_connect_timeout_and_keepalives(
         params = conn.info.get_parameters()
     finally:
         conn.close()
-    for key, value in _source.CONNECT_DEFAULTS.items():
+    for key, value in _deadline.CONNECT_DEFAULTS.items():
         assert params.get(key) == value, (key, params)
 
     mine = make_conninfo(dsn, connect_timeout=3, keepalives_idle=42)
@@ -1009,7 +1009,7 @@ def test_dsn_source_connections_get_a_connect_timeout_and_keepalives(
         finally:
             conn.close()
     assert params["connect_timeout"] == "3" and params["keepalives_idle"] == "42"
-    assert params["tcp_user_timeout"] == _source.CONNECT_DEFAULTS["tcp_user_timeout"]
+    assert params["tcp_user_timeout"] == _deadline.CONNECT_DEFAULTS["tcp_user_timeout"]
 
 
 def test_on_lost_runs_and_a_warning_is_logged_when_the_keepalive_finds_it_gone(

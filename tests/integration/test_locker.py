@@ -408,12 +408,12 @@ def test_dsn_locker_connections_get_a_connect_timeout_and_keepalives(
     """pglock opens a DSN Locker's connections: they carry connect_timeout, keepalives and
     tcp_user_timeout unless the DSN or pool_kwargs' connection kwargs set them (on main they had
     none: a silent network hung a checkout for as long as TCP retransmits)."""
-    from pglock import _source
+    from pglock import _deadline
 
     with pglock.Locker(with_app(pg_dsn, app_name), namespace=ns) as locker:
         with locker.lock("x") as conn:
             params = conn.info.get_parameters()
-        for key, value in _source.CONNECT_DEFAULTS.items():
+        for key, value in _deadline.CONNECT_DEFAULTS.items():
             assert params.get(key) == value, (key, params)
     mine = pglock.Locker(
         make_conninfo(with_app(pg_dsn, app_name), connect_timeout=3),
@@ -423,4 +423,4 @@ def test_dsn_locker_connections_get_a_connect_timeout_and_keepalives(
     with mine, mine.lock("x") as conn:
         params = conn.info.get_parameters()
     assert params["connect_timeout"] == "3" and params["keepalives_idle"] == "42"
-    assert params["tcp_user_timeout"] == _source.CONNECT_DEFAULTS["tcp_user_timeout"]
+    assert params["tcp_user_timeout"] == _deadline.CONNECT_DEFAULTS["tcp_user_timeout"]
