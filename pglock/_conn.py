@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import select
+import shlex
 import threading
 import time
 import weakref
@@ -33,8 +34,10 @@ from ._deadline import within
 from .errors import (
     DeadlockDetected,
     InvalidConnectionState,
+    LockError,
     LockNotAcquired,
     LockTableFull,
+    SchemaNotInstalled,
     UnsupportedServer,
 )
 
@@ -157,6 +160,12 @@ class Context:
     #: A ``time.monotonic()`` instant: a statement not answered by then is cut off (see
     #: :func:`answer_deadline`); None waits as long as the server takes.
     deadline: float | None = None
+    #: The pglock schema a TTL-row statement (lease, semaphore) runs functions of: its
+    #: absence reads as :class:`~pglock.SchemaNotInstalled`.
+    schema: str | None = None
+    #: The statement waits for a lock: lock timeouts, cancels, deadlocks and a full lock table
+    #: read as lock errors (False: they pass unchanged, for the caller to judge).
+    waits: bool = True
 
     @property
     def name(self) -> str | None:
@@ -354,8 +363,24 @@ def recover_interrupted(conn: psycopg.Connection[Any], timeout: float = 5.0) -> 
             conn.close()
 
 
-def translate(exc: psycopg.Error, ctx: Context) -> Exception | None:
-    """Map a Postgres error to a pglock error by SQLSTATE (never by message text)."""
+def translate(
+    exc: psycopg.Error, ctx: Context, conn: psycopg.Connection[Any] | None = None
+) -> Exception | None:
+    """Map a Postgres error to a pglock error by SQLSTATE (never by message text): the one
+    place pglock does. None: the error passes unchanged.
+
+    :param conn: the connection it happened on (named in a missing schema's error).
+    """
+    if ctx.schema is not None:
+        if isinstance(exc, _SCHEMA_MISSING):
+            return _schema_not_installed(conn, ctx.schema)
+        if isinstance(exc, pg_errors.SequenceGeneratorLimitExceeded):
+            return LockError(
+                f"the fencing-token sequence {ctx.schema}.lease_token is exhausted (it never "
+                "cycles, so no token is ever handed out twice); tokens cannot be issued any more"
+            )
+    if not ctx.waits:
+        return None
     if isinstance(exc, (pg_errors.LockNotAvailable, pg_errors.QueryCanceled)):
         return LockNotAcquired(ctx.name, key=ctx.key, timeout=ctx.timeout)
     if isinstance(exc, pg_errors.DeadlockDetected):
@@ -363,6 +388,31 @@ def translate(exc: psycopg.Error, ctx: Context) -> Exception | None:
     if isinstance(exc, pg_errors.OutOfMemory):  # 53200 "out of shared memory"
         return LockTableFull(ctx.name, key=ctx.key)
     return None
+
+
+_SCHEMA_MISSING = (
+    pg_errors.UndefinedFunction, pg_errors.UndefinedTable, pg_errors.InvalidSchemaName
+)
+
+
+def _schema_not_installed(
+    conn: psycopg.Connection[Any] | None, schema: str
+) -> SchemaNotInstalled:
+    """The error for a database without the pglock schema, with the exact install command."""
+    try:
+        assert conn is not None
+        dsn, db = conn.info.dsn, conn.info.dbname  # libpq leaves the password out
+    except Exception:
+        dsn, db = "<your DSN>", "?"
+    command = f"pglock install --dsn {shlex.quote(dsn)} --schema {schema}"
+    return SchemaNotInstalled(
+        schema,
+        message=(
+            f"the pglock schema {schema!r} is not installed (or is out of date) in database "
+            f"{db!r}; install it with: {command}  (or include pglock's migrations in your "
+            "Alembic and run 'alembic upgrade pglock@head')"
+        ),
+    )
 
 
 # --- per-connection bookkeeping ----------------------------------------------------------

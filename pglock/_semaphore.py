@@ -116,7 +116,7 @@ def _run(
     try:
         return _ttl.run(SEMAPHORES, source, kind, schema, stmt, timeout=timeout, deadline=deadline)
     except psycopg.Error as exc:
-        translated = _conn.translate(exc, _conn.Context())
+        translated = _conn.translate(exc, _conn.Context(schema=schema))
         if translated is None:
             raise
         raise translated from exc

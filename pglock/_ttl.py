@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import random
-import shlex
 import threading
 import time
 from collections import Counter, deque
@@ -29,7 +28,7 @@ from psycopg.pq import TransactionStatus
 from . import _conn, _sql
 from ._keys import remaining as _remaining
 from ._source import Source, close_dsn_sources, count, listen_deadline, open_listening
-from .errors import InvalidConnectionState, LockError, SchemaNotInstalled
+from .errors import InvalidConnectionState
 
 logger = logging.getLogger("pglock.ttl")
 
@@ -212,30 +211,9 @@ def _rollback(conn: psycopg.Connection[Any]) -> None:
 
 
 def translate(exc: psycopg.Error, conn: psycopg.Connection[Any], schema: str) -> Exception | None:
-    """The pglock error for a Postgres error of a TTL-row statement, by SQLSTATE (None: it
-    passes unchanged)."""
-    if isinstance(
-        exc, (pg_errors.UndefinedFunction, pg_errors.UndefinedTable, pg_errors.InvalidSchemaName)
-    ):
-        try:
-            dsn, db = conn.info.dsn, conn.info.dbname  # libpq leaves the password out
-        except Exception:
-            dsn, db = "<your DSN>", "?"
-        command = f"pglock install --dsn {shlex.quote(dsn)} --schema {schema}"
-        return SchemaNotInstalled(
-            schema,
-            message=(
-                f"the pglock schema {schema!r} is not installed (or is out of date) in "
-                f"database {db!r}; install it with: {command}  (or include pglock's "
-                "migrations in your Alembic and run 'alembic upgrade pglock@head')"
-            ),
-        )
-    if isinstance(exc, pg_errors.SequenceGeneratorLimitExceeded):
-        return LockError(
-            f"the fencing-token sequence {schema}.lease_token is exhausted (it never cycles, "
-            "so no token is ever handed out twice); tokens cannot be issued any more"
-        )
-    return None
+    """The pglock error for a Postgres error of a TTL-row statement (a missing schema, an
+    exhausted token sequence; see :func:`pglock._conn.translate`), or None."""
+    return _conn.translate(exc, _conn.Context(schema=schema, waits=False), conn)
 
 
 # --- waiter queues and NOTIFY listeners ---------------------------------------------------------
