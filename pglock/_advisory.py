@@ -536,28 +536,9 @@ def _session_lock(
     if state.pooler:
         raise _conn.pooler_error(state)
     try_ = timeout == 0
-    limit = _wait_limit(timeout, state)
-    undo: sql.Composed | None = None
-    stmt: sql.Composed | None = None
-    if status == INTRANS:
-        # In the caller's transaction: a savepoint keeps it usable if the attempt fails, and
-        # rolling back to it undoes SET LOCAL; session locks survive the rollback.
-        parts: list[sql.Composable] = [_sql.savepoint()]
-        if limit is not None:
-            parts.append(_sql.set_local_timeouts(limit, several=len(keys) > 1))
-        parts += [_sql.lock(keys, shared=shared, xact=False, try_=try_)]
-        parts += [_sql.rollback_to_savepoint()]
-        stmt = sql.SQL("; ").join(parts)
-        undo = _sql.rollback_to_savepoint()
-    elif limit is not None:
-        parts = [
-            _sql.set_local_timeouts(limit, several=len(keys) > 1),
-            _sql.lock(keys, shared=shared, xact=False, try_=try_),
-        ]
-        if conn.autocommit:
-            parts = [sql.SQL("BEGIN"), *parts, sql.SQL("COMMIT")]
-        stmt = sql.SQL("; ").join(parts)
-
+    stmt, undo = _session_batch(
+        conn, status, keys, shared=shared, try_=try_, limit=_wait_limit(timeout, state)
+    )
     registering = _registry.pending(
         conn, state, ctx.keys, ctx.names, own_transaction=status != INTRANS
     )
@@ -587,15 +568,53 @@ def _session_lock(
                 return _session_lock(conn, state, keys, ctx, shared=shared, timeout=timeout)
             return False
         raise
-    if try_:
-        got = [k for k, ok in rows if ok]
-        if len(got) < len(keys):
-            if got:  # all-or-nothing: give back what was taken
-                _in_own_transaction(
-                    conn, status, lambda: _conn.run(conn, _sql.unlock(got, shared=shared))
-                )
-            return False
-    return True
+    return not try_ or _all_or_nothing(conn, status, rows, keys, shared)
+
+
+def _all_or_nothing(
+    conn: psycopg.Connection[Any],
+    status: Any,
+    rows: list[tuple[Any, ...]],
+    keys: list[int],
+    shared: bool,
+) -> bool:
+    """After a try-lock of several keys: True if every key was granted, else give back the
+    ones that were (all-or-nothing) and say False."""
+    got = [k for k, ok in rows if ok]
+    if len(got) == len(keys):
+        return True
+    if got:
+        _in_own_transaction(conn, status, lambda: _conn.run(conn, _sql.unlock(got, shared=shared)))
+    return False
+
+
+def _session_batch(
+    conn: psycopg.Connection[Any],
+    status: Any,
+    keys: list[int],
+    *,
+    shared: bool,
+    try_: bool,
+    limit: int | None,
+) -> tuple[sql.Composed | None, sql.Composed | None]:
+    """The batch a session-lock attempt sends, and what undoes it after a failure; (None,
+    None) for the lock statement alone (no timeout to set, no caller's transaction)."""
+    if status != INTRANS and limit is None:
+        return None, None
+    lock = _sql.lock(keys, shared=shared, xact=False, try_=try_)
+    if status == INTRANS:
+        # In the caller's transaction: a savepoint keeps it usable if the attempt fails, and
+        # rolling back to it undoes SET LOCAL; session locks survive the rollback.
+        parts: list[sql.Composable] = [_sql.savepoint()]
+        if limit is not None:
+            parts.append(_sql.set_local_timeouts(limit, several=len(keys) > 1))
+        parts += [lock, _sql.rollback_to_savepoint()]
+        return sql.SQL("; ").join(parts), _sql.rollback_to_savepoint()
+    assert limit is not None
+    parts = [_sql.set_local_timeouts(limit, several=len(keys) > 1), lock]
+    if conn.autocommit:
+        parts = [sql.SQL("BEGIN"), *parts, sql.SQL("COMMIT")]
+    return sql.SQL("; ").join(parts), None
 
 
 def _after_failed_session_lock(
