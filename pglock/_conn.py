@@ -25,7 +25,7 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg import sql
 from psycopg.adapt import AdaptersMap
-from psycopg.pq import TransactionStatus
+from psycopg.pq import ExecStatus, TransactionStatus
 from psycopg.rows import tuple_row
 
 from . import _sql
@@ -42,6 +42,8 @@ from .errors import (
 )
 
 logger = logging.getLogger("pglock")
+
+_TUPLES_OK = ExecStatus.TUPLES_OK
 
 IDLE = TransactionStatus.IDLE
 INTRANS = TransactionStatus.INTRANS
@@ -235,21 +237,23 @@ def fetch(
     protocol allows it (not with client-side binding, which reads them as text), and ``%b``
     placeholders become ``%s`` there.
     """
-    with cursor(conn) as cur:
-        if params is None:
-            cur.execute(query, prepare=False)
-        elif isinstance(cur, _ClientCursor):
-            if binary and isinstance(query, bytes):
-                query = _text_placeholders(query)
-            cur.execute(query, params)
-        else:
-            cur.execute(query, params, binary=binary)
-        results: list[list[tuple[Any, ...]]] = []
-        while True:
-            if cur.description is not None:
-                results.append(cur.fetchall())
-            if not cur.nextset():
-                return results
+    cur = cursor(conn)
+    if params is None:
+        cur.execute(query, prepare=False)
+    elif isinstance(cur, _ClientCursor):
+        if binary and isinstance(query, bytes):
+            query = _text_placeholders(query)
+        cur.execute(query, params)
+    else:
+        cur.execute(query, params, binary=binary)
+    # The status of each result, not cur.description, which builds column objects.
+    results: list[list[tuple[Any, ...]]] = []
+    while True:
+        res = cur.pgresult
+        if res is not None and res.status == _TUPLES_OK:
+            results.append(cur.fetchall())
+        if not cur.nextset():
+            return results
 
 
 @lru_cache(maxsize=16)
