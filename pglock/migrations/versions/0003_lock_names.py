@@ -9,8 +9,11 @@ Objects, in the pglock schema (default ``pglock``):
   name it was taken for) and ``first_seen``. pglock inserts a row the first time a process
   takes a key in a database where this table exists (``INSERT ... ON CONFLICT DO NOTHING``, in
   the lock statement's round trip); ``pglock.advisory_locks()`` and ``pglock status`` join it
-  with ``pg_locks`` to show names instead of two 32-bit numbers. pglock finds the table by its
-  name and the start of its comment (``pglock name registry``), so keep the comment.
+  with ``pg_locks`` to show names instead of two 32-bit numbers. The lock APIs record names
+  only in ``pglock.lock_names`` (they take no schema; introspection reads the schema it is
+  given), and pglock uses the table only while it is a plain table with
+  its comment (``pglock name registry``), without triggers, rules or row security, owned by a
+  role it trusts (docs/guarantees.md): keep the comment, add no trigger.
 
 The table grows by one row (about 100 bytes with a short name) per distinct name ever locked;
 rows are never updated. Prune it at will (``DELETE ... WHERE first_seen < ...``): a pruned name
