@@ -8,7 +8,6 @@ a batch of permits, the release. docs/how-it-works.md has the design.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
@@ -28,6 +27,7 @@ from ._keys import validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, validate_schema
 from ._source import ANSWER_GRACE, WAIT_CHUNK, DsnSource, Source, short_deadline
 from ._source import make_source as _make_source
+from ._validate import encode_metadata, validate_ttl
 from .errors import LimitMismatch, LockLost, LockNotAcquired
 
 if TYPE_CHECKING:
@@ -41,9 +41,6 @@ LIMIT_MISMATCH = "PGL01"
 MAX_LIMIT = 2**31 - 1
 #: Wake this much after the earliest permit held elsewhere expires.
 _EXPIRY_MARGIN = 0.005
-
-#: The longest TTL accepted (one day), as for leases.
-MAX_TTL = 86400.0
 
 
 def semaphore_channel(schema: str) -> str:
@@ -68,17 +65,6 @@ def _count_arg(value: object, what: str) -> int:
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
     if value < 1 or value > MAX_LIMIT:
         raise ValueError(f"{what} must be between 1 and {MAX_LIMIT}, got {value!r}")
-    return value
-
-
-def _ttl_arg(ttl: object) -> float:
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
-        raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
-    value = float(ttl)
-    if not value > 0:  # also NaN
-        raise ValueError(f"ttl must be > 0 seconds, got {ttl!r}")
-    if value > MAX_TTL:
-        raise ValueError(f"ttl must be at most {MAX_TTL:.0f} seconds (one day), got {ttl!r}")
     return value
 
 
@@ -323,14 +309,9 @@ class Semaphore:
     def _setup(self, name: str, limit: int, ttl: float, schema: str, metadata: Any) -> None:
         self._name = validate_name(name)
         self._limit = _count_arg(limit, "limit")
-        self._ttl = _ttl_arg(ttl)
+        self._ttl = validate_ttl(ttl, hint="permits are renewed while held")
         self._schema = validate_schema(schema)
-        try:
-            self._metadata = None if metadata is None else json.dumps(
-                metadata, separators=(",", ":"), allow_nan=False
-            )
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"metadata must be JSON-serializable: {exc}") from None
+        self._metadata = encode_metadata(metadata)
         self._owner = _default_owner()
 
         self._lock = threading.Lock()  # the fields below and those of its permits

@@ -1,0 +1,96 @@
+"""Validation of the values leases and semaphores store: TTLs, holder ids, metadata.
+
+Every check runs before any SQL is sent, and says what was wrong and what is accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+
+#: The longest TTL accepted, in seconds (one day). Longer work renews (keepalive, extend).
+MAX_TTL = 86400.0
+#: The largest metadata accepted, in bytes of compact JSON (UTF-8).
+MAX_METADATA_BYTES = 65536
+#: The longest holder id accepted, in UTF-8 bytes.
+MAX_HOLDER_BYTES = 256
+
+
+def validate_ttl(
+    ttl: object,
+    what: str = "ttl",
+    hint: str = "keep a long job's lease alive with keepalive or extend()",
+) -> float:
+    """A TTL in seconds: a finite number ``0 < ttl <= MAX_TTL`` (not a bool); ``hint`` says
+    what to do instead of a longer one."""
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds, not {type(ttl).__name__}")
+    try:
+        value = float(ttl)
+    except OverflowError:
+        value = math.inf
+    if math.isnan(value):
+        raise ValueError(f"{what} must be a number of seconds, not NaN")
+    if value <= 0:
+        raise ValueError(f"{what} must be > 0 seconds, got {ttl!r}")
+    if math.isinf(value) or value > MAX_TTL:
+        raise ValueError(
+            f"{what} must be at most {MAX_TTL:.0f} seconds (one day), got {ttl!r}; {hint}"
+        )
+    return value
+
+
+def validate_holder(holder: object) -> str:
+    """A holder id: a non-empty ``str`` of at most :data:`MAX_HOLDER_BYTES` UTF-8 bytes."""
+    if not isinstance(holder, str):
+        raise TypeError(f"holder must be a str, not {type(holder).__name__}")
+    if not holder:
+        raise ValueError("holder must not be empty")
+    if "\x00" in holder:
+        raise ValueError("holder must not contain NUL (\\x00) characters")
+    try:
+        size = len(holder.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ValueError("holder must be valid Unicode text (no lone surrogates)") from None
+    if size > MAX_HOLDER_BYTES:
+        raise ValueError(f"holder must be at most {MAX_HOLDER_BYTES} bytes in UTF-8, got {size}")
+    return holder
+
+
+def encode_metadata(metadata: object) -> str | None:
+    """Compact JSON text of ``metadata`` (None stays None), checked as jsonb will check it."""
+    if metadata is None:
+        return None
+    try:
+        text = json.dumps(metadata, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+    except TypeError as exc:
+        raise TypeError(f"metadata must be JSON-serializable: {exc}") from None
+    except ValueError as exc:  # NaN/Infinity, or a circular reference
+        raise ValueError(f"metadata must be valid JSON: {exc}") from None
+    _check_json_strings(metadata)
+    size = len(text.encode("utf-8"))
+    if size > MAX_METADATA_BYTES:
+        raise ValueError(
+            f"metadata must be at most {MAX_METADATA_BYTES} bytes of JSON, got {size}"
+        )
+    return text
+
+
+def _check_json_strings(value: object) -> None:
+    # jsonb refuses \u0000 and unpaired surrogates; json.dumps would let both through.
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            if "\x00" in v:
+                raise ValueError("metadata strings must not contain NUL (\\x00): jsonb refuses it")
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("metadata strings must be valid Unicode text") from None
+        elif isinstance(v, Mapping):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
