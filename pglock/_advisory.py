@@ -44,6 +44,7 @@ from psycopg import sql
 
 from . import _conn, _registry, _sql
 from ._conn import IDLE, INERROR, INTRANS, ConnState, Context, KeyHold, Target, XactHold
+from ._keys import DEFAULT as _DEFAULT
 from ._keys import deadline as _deadline
 from ._keys import normalize_names, validate_flag, validate_timeout
 from ._keys import remaining as _remaining
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pglock.advisory")
 
-_DEFAULT: Any = object()
 _T = TypeVar("_T")
 
 

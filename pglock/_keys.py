@@ -22,6 +22,7 @@ import functools
 import hashlib
 import math
 import time
+from typing import Any
 
 #: The longest name accepted, in UTF-8 bytes. Lease names are a primary key and Postgres btree
 #: index rows are limited to about 2704 bytes, so the cap stays well below that.
@@ -93,6 +94,21 @@ def normalize_names(names: object) -> list[tuple[int, str]]:
     for n in names:
         by_key.setdefault(_key(validate_name(n)), n)
     return sorted(by_key.items())
+
+
+class _LockDefault:
+    """The default of ``acquire(timeout=...)`` and the like: the timeout the lock was made with.
+
+    One object for every lock kind, with a repr that reads well in ``help()``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<the lock's timeout>"
+
+
+#: See :class:`_LockDefault`; compare with ``is``.
+DEFAULT: Any = _LockDefault()
 
 
 def validate_timeout(timeout: object, *, what: str = "timeout") -> float | None:

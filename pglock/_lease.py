@@ -33,6 +33,7 @@ from psycopg.pq import TransactionStatus
 from . import _conn, _sql, _ttl
 from ._classify import HELD, SOURCES, classify
 from ._deadline import NoAnswer
+from ._keys import DEFAULT as _DEFAULT
 from ._keys import validate_flag, validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
 from ._source import (
@@ -68,7 +69,6 @@ logger = logging.getLogger("pglock.lease")
 #: Wake this much after the holder's expiry, so the server sees it expired.
 _EXPIRY_MARGIN = 0.002
 
-_DEFAULT: Any = object()
 _NEW, _HELD, _RELEASED = "new", "held", "released"
 
 #: Leases, to the shared TTL-row client.

@@ -31,6 +31,7 @@ from . import _conn, _sql
 from ._advisory import PgLock
 from ._classify import SOURCES, Kind, check_driver, classify
 from ._conn import IDLE, INERROR, INTRANS
+from ._keys import DEFAULT as _DEFAULT
 from ._keys import normalize_names, validate_flag, validate_name, validate_timeout
 from ._schema import validate_schema
 from .errors import LockError, LockNotAcquired, SelfDeadlock, UnsupportedServer
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pglock.pool")
 
-_DEFAULT: Any = object()
 
 _RESET_LOST = (
     "the connection went back to its pool while the lock was held, and the pool's reset hook "

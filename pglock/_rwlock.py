@@ -17,10 +17,10 @@ from typing import Any
 from . import _pool
 from ._advisory import PgLock
 from ._classify import HELD, Kind, classify
+from ._keys import DEFAULT as _DEFAULT
 from ._keys import key, validate_name, validate_timeout
 from ._pool import PoolLock
 
-_DEFAULT: Any = object()
 
 def _classify(source: object) -> str:
     """``"conn"`` (lock on this connection) or ``"pool"`` (check one out); no I/O."""

@@ -16,7 +16,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 from ._keys import validate_name, validate_timeout
 from ._rwlock import RWLock
@@ -27,7 +27,6 @@ logger = logging.getLogger("pglock.singleton")
 P = ParamSpec("P")
 R = TypeVar("R")
 
-_DEFAULT: Any = object()
 
 
 class Singleton:

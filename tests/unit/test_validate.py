@@ -34,3 +34,21 @@ def test_semaphore_ttl_is_validated_as_a_lease_ttl(ttl: float) -> None:
         pglock.semaphore("postgresql://nobody@127.0.0.1:1/none", "n", limit=1, ttl=ttl)
     with pytest.raises(ValueError, match="at most 86400 seconds"):
         pglock.lease("postgresql://nobody@127.0.0.1:1/none", "n", ttl=ttl)
+
+
+def test_one_default_sentinel_with_a_readable_repr() -> None:
+    """Every lock kind's ``timeout`` default is the same object, and ``help()`` reads it."""
+    import inspect
+
+    defaults = {
+        inspect.signature(f).parameters["timeout"].default
+        for f in (
+            pglock.PgLock.acquire,
+            pglock.Lease.acquire,
+            pglock.RWLock.read,
+            pglock.RWLock.write,
+            pglock.Locker.lock,
+        )
+    }
+    assert len(defaults) == 1
+    assert repr(defaults.pop()) == "<the lock's timeout>"
