@@ -309,56 +309,7 @@ def render_status(snap: dict[str, Any], *, verbose: bool = False) -> str:
         f"{when:%Y-%m-%d %H:%M:%S %Z}".rstrip(),
         "",
     ]
-    locks = snap["advisory_locks"]
-    held = sum(1 for lk in locks if lk["granted"])
-    lines.append(f"Advisory locks: {held} held, {len(locks) - held} waiting")
-    bounded = False
-    if locks:
-        rows: list[list[str]] = []
-        queries: list[str | None] = []
-        previous = None
-        for lk in locks:
-            same = lk["label"] == previous
-            previous = lk["label"]
-            client = lk["client_addr"] or ("local" if lk["pid"] else "")
-            if lk["client_addr"] and lk["client_port"]:
-                client = f"{client}:{lk['client_port']}"
-            if lk["granted"]:
-                since = _duration(lk["held_for"])
-                if lk["held_since_basis"] == "session" and since:
-                    since, bounded = "<=" + since, True
-                state = "held"
-            else:
-                since = _duration(lk["waiting_for"])
-                state = "waiting"
-                if lk["blocked_by"]:
-                    state += " for " + ",".join(str(p) for p in lk["blocked_by"])
-            rows.append([
-                "" if same else _cut(lk["label"], 48),
-                lk["mode"],
-                state,
-                str(lk["pid"] or "-"),
-                _cut(lk["application_name"] or "", 28),
-                client,
-                since,
-            ])
-            queries.append(lk["query"])
-        table = _table(["LOCK", "MODE", "STATE", "PID", "APPLICATION", "CLIENT", "FOR"], rows)
-        lines.append(table[0])
-        for line, query in zip(table[1:], queries, strict=True):
-            lines.append(line)
-            if verbose and query:
-                lines.append("      query: " + _cut(" ".join(query.split()), 100))
-        if bounded:
-            lines.append(
-                "  <= : at most this long (the session ran other statements since it took the "
-                "lock; this is the session's age)"
-            )
-        if any(lk["name"] is None and lk["key"] is not None for lk in locks):
-            lines.append(
-                "  (a key without a name was not taken by pglock, or the name registry of "
-                "'pglock install' is missing in this database)"
-            )
+    lines += _advisory_section(snap["advisory_locks"], verbose)
     lines.append("")
     if not snap["schema_installed"]:
         lines.append(
@@ -366,8 +317,78 @@ def render_status(snap: dict[str, Any], *, verbose: bool = False) -> str:
             "(pglock install --dsn ...)"
         )
         return "\n".join(lines)
-    leases = snap["leases"]
-    lines.append(f"Leases: {len(leases)} live")
+    lines += _lease_section(snap["leases"])
+    lines.append("")
+    lines += _semaphore_section(snap["semaphores"])
+    return "\n".join(lines)
+
+
+def _advisory_row(lk: dict[str, Any], same: bool) -> tuple[list[str], bool]:
+    """One table row of an advisory lock, and whether its FOR column is an upper bound."""
+    client = lk["client_addr"] or ("local" if lk["pid"] else "")
+    if lk["client_addr"] and lk["client_port"]:
+        client = f"{client}:{lk['client_port']}"
+    bounded = False
+    if lk["granted"]:
+        since = _duration(lk["held_for"])
+        if lk["held_since_basis"] == "session" and since:
+            since, bounded = "<=" + since, True
+        state = "held"
+    else:
+        since = _duration(lk["waiting_for"])
+        state = "waiting"
+        if lk["blocked_by"]:
+            state += " for " + ",".join(str(p) for p in lk["blocked_by"])
+    row = [
+        "" if same else _cut(lk["label"], 48),
+        lk["mode"],
+        state,
+        str(lk["pid"] or "-"),
+        _cut(lk["application_name"] or "", 28),
+        client,
+        since,
+    ]
+    return row, bounded
+
+
+def _advisory_section(locks: list[dict[str, Any]], verbose: bool) -> list[str]:
+    held = sum(1 for lk in locks if lk["granted"])
+    lines = [f"Advisory locks: {held} held, {len(locks) - held} waiting"]
+    if not locks:
+        return lines
+    rows: list[list[str]] = []
+    bounded = False
+    previous = None
+    for lk in locks:
+        row, bound = _advisory_row(lk, lk["label"] == previous)
+        previous = lk["label"]
+        rows.append(row)
+        bounded = bounded or bound
+    table = _table(["LOCK", "MODE", "STATE", "PID", "APPLICATION", "CLIENT", "FOR"], rows)
+    lines.append(table[0])
+    for line, lk in zip(table[1:], locks, strict=True):
+        lines.append(line)
+        if verbose and lk["query"]:
+            lines.append("      query: " + _cut(" ".join(lk["query"].split()), 100))
+    if bounded:
+        lines.append(
+            "  <= : at most this long (the session ran other statements since it took the "
+            "lock; this is the session's age)"
+        )
+    if any(lk["name"] is None and lk["key"] is not None for lk in locks):
+        lines.append(
+            "  (a key without a name was not taken by pglock, or the name registry of "
+            "'pglock install' is missing in this database)"
+        )
+    return lines
+
+
+def _metadata_cell(metadata: Any) -> str:
+    return _cut(json.dumps(metadata), 40) if metadata is not None else ""
+
+
+def _lease_section(leases: list[dict[str, Any]]) -> list[str]:
+    lines = [f"Leases: {len(leases)} live"]
     if leases:
         lines += _table(
             ["NAME", "HOLDER", "TOKEN", "EXPIRES IN", "METADATA"],
@@ -377,31 +398,34 @@ def render_status(snap: dict[str, Any], *, verbose: bool = False) -> str:
                     _cut(le["holder"], 32),
                     str(le["token"]),
                     _duration(le["expires_in"]),
-                    _cut(json.dumps(le["metadata"]), 40) if le["metadata"] is not None else "",
+                    _metadata_cell(le["metadata"]),
                 ]
                 for le in leases
             ],
         )
-    lines.append("")
-    sems = snap["semaphores"]
-    lines.append(f"Semaphores: {len(sems)}")
-    if sems:
-        rows = []
-        for s in sems:
-            label = f"{s['held']}/{s['limit']}" + (" (waiters)" if s["waiters"] else "")
-            if not s["holders"]:
-                rows.append([_cut(s["name"], 48), label, "", "", "", ""])
-            for i, h in enumerate(s["holders"]):
-                rows.append([
-                    "" if i else _cut(s["name"], 48),
-                    "" if i else label,
-                    _cut(h["holder"], 32),
-                    str(h["permits"]),
-                    _duration(h["expires_in"]),
-                    _cut(json.dumps(h["metadata"]), 40) if h["metadata"] is not None else "",
-                ])
-        lines += _table(["NAME", "PERMITS", "HOLDER", "HOLDS", "EXPIRES IN", "METADATA"], rows)
-    return "\n".join(lines)
+    return lines
+
+
+def _semaphore_section(sems: list[dict[str, Any]]) -> list[str]:
+    lines = [f"Semaphores: {len(sems)}"]
+    if not sems:
+        return lines
+    rows: list[list[str]] = []
+    for s in sems:
+        label = f"{s['held']}/{s['limit']}" + (" (waiters)" if s["waiters"] else "")
+        if not s["holders"]:
+            rows.append([_cut(s["name"], 48), label, "", "", "", ""])
+        for i, h in enumerate(s["holders"]):
+            rows.append([
+                "" if i else _cut(s["name"], 48),
+                "" if i else label,
+                _cut(h["holder"], 32),
+                str(h["permits"]),
+                _duration(h["expires_in"]),
+                _metadata_cell(h["metadata"]),
+            ])
+    lines += _table(["NAME", "PERMITS", "HOLDER", "HOLDS", "EXPIRES IN", "METADATA"], rows)
+    return lines
 
 
 # --- demo --------------------------------------------------------------------------------------
