@@ -25,6 +25,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 from _pgdb import sa_url
+from _threads import in_thread
 from _truth import held
 from psycopg import sql
 from psycopg.pq import TransactionStatus
@@ -38,23 +39,6 @@ Connect = Callable[..., psycopg.Connection[Any]]
 
 def xk(name: str) -> tuple[int, str]:
     return (pglock.key(name), "ExclusiveLock")
-
-
-def in_thread(fn: Callable[[], object]) -> object:
-    """Run ``fn`` in another thread; its result, or the exception it raised."""
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except BaseException as exc:
-            out.append(exc)
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join(20)
-    assert not t.is_alive() and len(out) == 1
-    return out[0]
 
 
 @pytest.fixture

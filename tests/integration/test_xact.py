@@ -11,6 +11,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from _threads import in_thread
 from _truth import held
 from psycopg.pq import TransactionStatus
 
@@ -393,23 +394,6 @@ def test_two_threads_racing_in_one_transaction_never_both_get_it(
     assert held(obs, pid) == []
 
 
-def _in_thread(fn: Callable[[], object]) -> object:
-    """Run ``fn`` in another thread; its result, or the exception it raised."""
-    out: list[object] = []
-
-    def run() -> None:
-        try:
-            out.append(fn())
-        except BaseException as exc:
-            out.append(exc)
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join(20)
-    assert not t.is_alive() and len(out) == 1
-    return out[0]
-
-
 @pytest.mark.parametrize("savepoint", ["sql", "psycopg_nested_transaction"])
 def test_savepoint_rollback_frees_the_name_for_another_thread(
     connect: Connect, name: str, savepoint: str
@@ -435,7 +419,7 @@ def test_savepoint_rollback_frees_the_name_for_another_thread(
         assert held(obs, pid) == [xk(name)]
         # While it is held, another thread in the transaction is refused.
         assert isinstance(
-            _in_thread(lambda: pglock.xact_lock(c, name)), pglock.InvalidConnectionState
+            in_thread(lambda: pglock.xact_lock(c, name)), pglock.InvalidConnectionState
         )
 
     in_savepoint(held_and_refused_elsewhere)
@@ -444,7 +428,7 @@ def test_savepoint_rollback_frees_the_name_for_another_thread(
     in_savepoint(lambda: pglock.xact_lock(c, name, timeout=1))
     assert held(obs, pid) == []
     # ...and another thread's take: granted, not refused by a record that outlived its lock.
-    assert _in_thread(lambda: pglock.try_xact_lock(c, name)) is True
+    assert in_thread(lambda: pglock.try_xact_lock(c, name)) is True
     assert held(obs, pid) == [xk(name)]
     # Now it is that thread's, held in this transaction: the first thread is refused.
     with pytest.raises(pglock.InvalidConnectionState, match="same transaction"):
