@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import select
-import shlex
 import threading
 import time
 import weakref
@@ -115,7 +114,7 @@ def _driver_connection(sa_conn: Any) -> psycopg.Connection[Any]:
 
 def _check_open(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     if conn.closed or conn.broken:
-        raise InvalidConnectionState("the connection is closed")
+        raise InvalidConnectionState.closed()
     return conn
 
 
@@ -140,11 +139,9 @@ def stable_status(conn: psycopg.Connection[Any]) -> TransactionStatus:
 def check_usable(conn: psycopg.Connection[Any]) -> TransactionStatus:
     status = stable_status(conn)
     if conn.closed or conn.broken:
-        raise InvalidConnectionState("the connection is closed")
+        raise InvalidConnectionState.closed()
     if status == INERROR:
-        raise InvalidConnectionState(
-            "the connection is in a failed transaction; roll it back before taking a lock"
-        )
+        raise InvalidConnectionState.failed_transaction()
     return status
 
 
@@ -377,7 +374,7 @@ def translate(
     """
     if ctx.schema is not None:
         if isinstance(exc, _SCHEMA_MISSING):
-            return _schema_not_installed(conn, ctx.schema)
+            return SchemaNotInstalled.for_connection(conn, ctx.schema)
         if isinstance(exc, pg_errors.SequenceGeneratorLimitExceeded):
             return LockError(
                 f"the fencing-token sequence {ctx.schema}.lease_token is exhausted (it never "
@@ -397,26 +394,6 @@ def translate(
 _SCHEMA_MISSING = (
     pg_errors.UndefinedFunction, pg_errors.UndefinedTable, pg_errors.InvalidSchemaName
 )
-
-
-def _schema_not_installed(
-    conn: psycopg.Connection[Any] | None, schema: str
-) -> SchemaNotInstalled:
-    """The error for a database without the pglock schema, with the exact install command."""
-    try:
-        assert conn is not None
-        dsn, db = conn.info.dsn, conn.info.dbname  # libpq leaves the password out
-    except Exception:
-        dsn, db = "<your DSN>", "?"
-    command = f"pglock install --dsn {shlex.quote(dsn)} --schema {schema}"
-    return SchemaNotInstalled(
-        schema,
-        message=(
-            f"the pglock schema {schema!r} is not installed (or is out of date) in database "
-            f"{db!r}; install it with: {command}  (or include pglock's migrations in your "
-            "Alembic and run 'alembic upgrade pglock@head')"
-        ),
-    )
 
 
 # --- per-connection bookkeeping ----------------------------------------------------------

@@ -35,6 +35,7 @@ import psycopg
 from psycopg import conninfo as pg_conninfo
 
 from . import _advisory, _conn, _sql
+from ._base import release_after
 from ._classify import Kind, check_driver, classify
 from ._keys import _key, key, validate_name, validate_timeout
 from .errors import LockError, LockLost, LockNotAcquired, UnsupportedServer
@@ -299,8 +300,8 @@ class LeaderElection:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self.resign()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        release_after(self.resign, exc, repr(self))
 
     def wait_elected(self, timeout: float | None = None) -> bool:
         """Block until this candidate is the leader; False on timeout or after resign.
@@ -579,11 +580,11 @@ class LeaderElection:
                     self._cond.notify_all()
 
 
-class _Stopped(LockError):
+class _Stopped(Exception):
     """Internal: the campaign was asked to stop."""
 
 
-class _TermOver(LockError):
+class _TermOver(Exception):
     """Internal: the validity window expired while a check was in flight."""
 
 
