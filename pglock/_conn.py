@@ -15,7 +15,7 @@ import select
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -165,6 +165,8 @@ class Context:
     #: The statement waits for a lock: lock timeouts, cancels, deadlocks and a full lock table
     #: read as lock errors (False: they pass unchanged, for the caller to judge).
     waits: bool = True
+    #: The wait of a lock object whose close() cancels the statement (see :class:`Flight`).
+    flight: Flight | None = None
 
     @property
     def name(self) -> str | None:
@@ -224,8 +226,10 @@ def fetch(
     params: Sequence[Any] | None = None,
     *,
     binary: bool = False,
+    flight: Flight | None = None,
 ) -> list[list[tuple[Any, ...]]]:
-    """Execute ``query`` on pglock's own cursor; return the rows of every statement that
+    """Execute ``query`` on pglock's own cursor (as the ``flight`` of a wait that close() can
+    cancel, when given); return the rows of every statement that
     returns rows, in order. Errors pass unchanged (see :func:`translate`).
 
     Without ``params`` a query may hold several ``;``-joined statements (one simple-query
@@ -235,14 +239,18 @@ def fetch(
     placeholders become ``%s`` there.
     """
     cur = cursor(conn)
+    kwargs: dict[str, bool] = {}
     if params is None:
-        cur.execute(query, prepare=False)
+        kwargs["prepare"] = False
     elif isinstance(cur, _ClientCursor):
         if binary and isinstance(query, bytes):
             query = _text_placeholders(query)
-        cur.execute(query, params)
     else:
-        cur.execute(query, params, binary=binary)
+        kwargs["binary"] = binary
+    if flight is None:
+        cur.execute(query, params, **kwargs)
+    else:
+        flight.execute(cur, query, params, kwargs)
     # The status of each result, not cur.description, which builds column objects.
     results: list[list[tuple[Any, ...]]] = []
     while True:
@@ -298,9 +306,14 @@ def _fetch(
     ctx: Context | None,
 ) -> list[list[tuple[Any, ...]]]:
     """:func:`fetch`, cut off at ``ctx.deadline`` when there is one."""
-    if ctx is None or ctx.deadline is None:
+    if ctx is None:
         return fetch(conn, query, params)
-    return within(conn, ctx.deadline, lambda: fetch(conn, query, params), "a lock statement")
+    if ctx.deadline is None:
+        return fetch(conn, query, params, flight=ctx.flight)
+    return within(
+        conn, ctx.deadline, lambda: fetch(conn, query, params, flight=ctx.flight),
+        "a lock statement",
+    )
 
 
 def run_rows(
@@ -332,6 +345,71 @@ def run_all(
         if translated is None:
             raise
         raise translated from exc
+
+
+class Woken(Exception):
+    """A wait's statement was not sent: its lock object was closed first."""
+
+
+class Flight:
+    """The statement a lock object's wait has in flight, and the cancel with which close()
+    interrupts it.
+
+    The waiting thread holds ``conn.lock`` (psycopg's, which every statement on the
+    connection takes) from before it sends its statement until the results are read, and
+    registers the statement under ``_mutex`` inside that span. :meth:`cancel` sends psycopg's
+    ``cancel_safe()`` only under ``_mutex``, while the statement is registered and libpq
+    reports it sent (ACTIVE); the cancel returns once the server has signalled the backend. So
+    it can never reach another thread's statement: none starts on the connection before this
+    one is unregistered, and a signal that arrives between statements is dropped by the
+    server. A cancel that reached the server before it began the statement is dropped too, so
+    :meth:`cancel` repeats it until the wait has left.
+    """
+
+    def __init__(self, stop: Callable[[], bool]) -> None:
+        #: True once the wait must end (its lock object was closed).
+        self.stop = stop
+        self._mutex = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._left = threading.Event()
+
+    def execute(
+        self, cur: psycopg.Cursor[Any], query: Any, params: Any, kwargs: dict[str, bool]
+    ) -> None:
+        """``cur.execute(query, params, **kwargs)``, cancellable by :meth:`cancel`."""
+        conn = cur.connection
+        with conn.lock:
+            with self._mutex:
+                if self.stop():
+                    raise Woken
+                self._conn = conn
+                self._left.clear()
+            try:
+                # What cur.execute() runs, under the lock this thread already holds.
+                conn.wait(cur._execute_gen(query, params, **kwargs))
+            finally:
+                with self._mutex:
+                    self._conn = None
+                    self._left.set()
+
+    def cancel(self) -> None:
+        """Cancel the registered statement, again until it has ended (a few seconds at
+        most); nothing when none is in flight."""
+        pause = 0.02
+        for _ in range(10):
+            with self._mutex:
+                conn = self._conn
+                if conn is None:
+                    return
+                if conn.pgconn.transaction_status == ACTIVE:
+                    try:
+                        conn.cancel_safe(timeout=5.0)
+                    except Exception:
+                        logger.debug("cancelling a waiting lock statement failed", exc_info=True)
+                        return
+            if self._left.wait(pause):
+                return
+            pause = min(2 * pause, 1.0)
 
 
 def recover_interrupted(conn: psycopg.Connection[Any], timeout: float = 5.0) -> None:

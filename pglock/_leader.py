@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 import psycopg
 from psycopg import conninfo as pg_conninfo
 
-from . import _advisory, _conn, _sql
+from . import _advisory, _conn, _sql, _xact
 from ._base import release_after
 from ._classify import Kind, check_driver, classify
 from ._keys import _key, key, validate_name, validate_timeout
@@ -349,8 +349,9 @@ class LeaderElection:
         if not leading or session is None or term is None:
             raise LockLost(self._name, reason="this candidate is not the leader")
         label = f"{self._name} (leader fence)"
-        if not _advisory._xact_acquire(
-            target, [self._fence_key], [label], shared=True, timeout=None
+        if not _xact.xact_acquire(
+            target, [self._fence_key], [label], shared=True, timeout=None,
+            api="LeaderElection.guard",
         ):  # pragma: no cover - timeout=None waits
             raise LockNotAcquired(label)
         rows = _conn.run(target.conn, _sql.leader_holds(self._key, *session))
