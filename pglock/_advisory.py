@@ -21,8 +21,8 @@ from psycopg import sql
 from . import _conn, _holds, _registry, _sql
 from ._base import BaseLock
 from ._conn import IDLE, INERROR, INTRANS, ConnState, Context, Flight, Target, XactHold
-from ._keys import DEFAULT, normalize_names, validate_flag, validate_timeout
 from ._keys import deadline as _deadline
+from ._keys import normalize_names, validate_flag, validate_timeout
 from ._keys import remaining as _remaining
 from .errors import InvalidConnectionState, LockError, LockLost, LockNotAcquired
 
@@ -76,7 +76,10 @@ class PgLock(BaseLock):
     :meth:`acquire` and :meth:`release`. The lock survives commits and rollbacks of the
     caller's transactions and is released by :meth:`release`, at the end of the ``with``
     block, or by Postgres when the session ends. :meth:`close` wakes a thread blocked in
-    :meth:`acquire` (it cancels the waiting statement).
+    :meth:`acquire` (it cancels the waiting statement). ``acquire()`` raises RuntimeError when
+    this handle holds the lock already, :class:`pglock.InvalidConnectionState` for a closed
+    connection, a failed transaction, or a name another thread holds as a transaction lock in
+    the transaction open on the connection, and :class:`pglock.DeadlockDetected`.
 
     Several names are taken all-or-nothing, sorted by key, in one statement.
 
@@ -130,21 +133,6 @@ class PgLock(BaseLock):
         state = "locked" if self.locked else "unlocked"
         mode = "shared" if self._shared else "exclusive"
         return f"<pglock.PgLock {self._names!r} {mode} {state}>"
-
-    def acquire(self, blocking: bool = True, timeout: float | None = DEFAULT) -> bool:
-        """Take the lock; return True when held, False when not acquired in time or when
-        :meth:`close` ran meanwhile.
-
-        :param blocking: False tries once, whatever the timeout given to :func:`pg_lock`.
-        :param timeout: seconds to wait; ``None`` waits forever; omitted uses the timeout given
-            to :func:`pg_lock`.
-        :raises RuntimeError: this handle already holds the lock.
-        :raises pglock.InvalidConnectionState: closed connection or failed transaction, or
-            another thread holds the name as a transaction lock in the transaction open on
-            this connection (pglock cannot wait for it to end on the same connection).
-        :raises pglock.DeadlockDetected: Postgres chose this request to break a deadlock.
-        """
-        return super().acquire(blocking, timeout)
 
     def _acquire(self, timeout: float | None) -> bool:
         waiters = self._waiters()
@@ -206,11 +194,7 @@ class PgLock(BaseLock):
 
 
 def pg_lock(
-    conn: object,
-    names: str | Sequence[str],
-    *,
-    shared: bool = False,
-    timeout: float | None = None,
+    conn: object, names: str | Sequence[str], *, shared: bool = False, timeout: float | None = None,
 ) -> PgLock:
     """A session-level advisory lock on ``conn``, as a context manager.
 
@@ -528,10 +512,7 @@ def _after_failed_session_lock(
 
 
 def _release(
-    conn: psycopg.Connection[Any],
-    keys: list[int],
-    names: list[str],
-    owner: threading.Thread,
+    conn: psycopg.Connection[Any], keys: list[int], names: list[str], owner: threading.Thread,
 ) -> None:
     state = _conn.state_for(conn)
     emptied = _holds.unreserve(state, keys, owner)

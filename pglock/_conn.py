@@ -3,7 +3,8 @@
 * :func:`resolve` turns a psycopg ``Connection``, a SQLAlchemy ``Connection`` or an ORM
   ``Session`` (psycopg driver) into the underlying psycopg connection, refusing anything else.
 * :func:`run` sends one statement (or a ``;``-joined batch) and translates Postgres errors
-  by SQLSTATE into pglock errors, in this one place.
+  by SQLSTATE into pglock errors, in this one place; :class:`Flight` lets close() cancel a
+  lock object's waiting statement.
 * :class:`ConnState` is pglock's per-connection bookkeeping, kept in a weak registry: which
   keys pglock holds on that session, for which threads, and what it learned about the server.
 """
@@ -177,26 +178,26 @@ class Context:
         return self.keys[0] if self.keys else None
 
 
-class _Cursor(psycopg.Cursor[tuple[Any, ...]]):
+class _OwnAdapters:
+    __slots__ = ()
+
+    @property
+    def adapters(self) -> AdaptersMap:
+        return _ADAPTERS
+
+
+class _Cursor(_OwnAdapters, psycopg.Cursor[tuple[Any, ...]]):
     """pglock's own cursor (server-side binding): tuple rows and psycopg's default adapters,
     whatever row factory, cursor class, loaders or dumpers the caller's connection has."""
 
     __slots__ = ()
 
-    @property
-    def adapters(self) -> AdaptersMap:
-        return _ADAPTERS
 
-
-class _ClientCursor(psycopg.ClientCursor[tuple[Any, ...]]):
+class _ClientCursor(_OwnAdapters, psycopg.ClientCursor[tuple[Any, ...]]):
     """The same with client-side binding, for a connection whose owner chose it (a proxy that
     speaks only the simple query protocol): text results only, never prepared."""
 
     __slots__ = ()
-
-    @property
-    def adapters(self) -> AdaptersMap:
-        return _ADAPTERS
 
 
 #: psycopg's default adapters as they were when pglock was imported. pglock sends its
@@ -305,46 +306,38 @@ def _fetch(
     params: Sequence[Any] | None,
     ctx: Context | None,
 ) -> list[list[tuple[Any, ...]]]:
-    """:func:`fetch`, cut off at ``ctx.deadline`` when there is one."""
-    if ctx is None:
-        return fetch(conn, query, params)
-    if ctx.deadline is None:
-        return fetch(conn, query, params, flight=ctx.flight)
-    return within(
-        conn, ctx.deadline, lambda: fetch(conn, query, params, flight=ctx.flight),
-        "a lock statement",
-    )
+    """:func:`fetch`, cut off at ``ctx.deadline`` when there is one; Postgres errors that mean
+    something for a lock become pglock errors here, by SQLSTATE."""
+    ctx = ctx or Context()
+    flight = ctx.flight
+    try:
+        if ctx.deadline is None:
+            return fetch(conn, query, params, flight=flight)
+        return within(
+            conn, ctx.deadline, lambda: fetch(conn, query, params, flight=flight),
+            "a lock statement",
+        )
+    except psycopg.Error as exc:
+        translated = translate(exc, ctx)
+        if translated is None:
+            raise
+        raise translated from exc
 
 
 def run_rows(
     conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...], ctx: Context | None = None
 ) -> list[tuple[Any, ...]]:
     """Like :func:`run_one`, returning every row (see ``_sql.LOCK_MANY``)."""
-    try:
-        results = _fetch(conn, query, params, ctx)
-    except psycopg.Error as exc:
-        translated = translate(exc, ctx or Context())
-        if translated is None:
-            raise
-        raise translated from exc
+    results = _fetch(conn, query, params, ctx)
     return results[-1] if results else []
 
 
 def run_all(
-    conn: psycopg.Connection[Any],
-    stmt: sql.SQL | sql.Composed | str | bytes,
+    conn: psycopg.Connection[Any], stmt: sql.SQL | sql.Composed | str | bytes,
     ctx: Context | None = None,
 ) -> list[list[tuple[Any, ...]]]:
-    """Execute ``stmt`` and return the rows of every statement that returns rows, in order.
-
-    Postgres errors that mean something for a lock become pglock errors here, by SQLSTATE."""
-    try:
-        return _fetch(conn, stmt, None, ctx)
-    except psycopg.Error as exc:
-        translated = translate(exc, ctx or Context())
-        if translated is None:
-            raise
-        raise translated from exc
+    """Execute ``stmt`` and return the rows of every statement that returns rows, in order."""
+    return _fetch(conn, stmt, None, ctx)
 
 
 class Woken(Exception):
@@ -352,18 +345,14 @@ class Woken(Exception):
 
 
 class Flight:
-    """The statement a lock object's wait has in flight, and the cancel with which close()
-    interrupts it.
+    """The statement a lock object's wait has in flight, and close()'s cancel of it.
 
-    The waiting thread holds ``conn.lock`` (psycopg's, which every statement on the
-    connection takes) from before it sends its statement until the results are read, and
-    registers the statement under ``_mutex`` inside that span. :meth:`cancel` sends psycopg's
-    ``cancel_safe()`` only under ``_mutex``, while the statement is registered and libpq
-    reports it sent (ACTIVE); the cancel returns once the server has signalled the backend. So
-    it can never reach another thread's statement: none starts on the connection before this
-    one is unregistered, and a signal that arrives between statements is dropped by the
-    server. A cancel that reached the server before it began the statement is dropped too, so
-    :meth:`cancel` repeats it until the wait has left.
+    The waiting thread holds psycopg's ``conn.lock`` (which every statement on the connection
+    takes) from before it sends the statement until its results are read, and registers it
+    under ``_mutex`` meanwhile. :meth:`cancel` sends ``cancel_safe()`` under ``_mutex`` only
+    while the statement is registered and sent (ACTIVE), so it never reaches another thread's
+    statement; the server drops a cancel that arrives between statements, so it is repeated
+    until the wait has left.
     """
 
     def __init__(self, stop: Callable[[], bool]) -> None:

@@ -1,23 +1,7 @@
-"""Leader election: one leader among many candidates, on a session advisory lock.
+"""Leader election (:class:`LeaderElection`): one leader among many candidates, on a session
+advisory lock held on a connection pglock opens for each candidate.
 
-Leadership is the exclusive session advisory lock on ``key(name)``, held on a connection that
-pglock opens for the candidate alone (never a pooled one, which could be reset or closed under
-it). Postgres ends the lock the moment that session ends, so a crashed leader is replaced at
-once; the candidate's background thread checks its session at least every ``check_interval``.
-
-Why a new leader waits before acting. Postgres grants the lock to the next candidate as soon as
-the old session ends, but the old leader may not know yet (its session was terminated, or the
-network path broke, or the process was paused). A candidate therefore believes in its
-leadership only for a *validity window* ``W`` after sending the last check that confirmed it
-(``is_leader`` reads False afterwards until the next check succeeds), and a new leader starts
-acting only ``takeover_delay`` (default ``W``) after winning the lock. The old leader's last
-confirmation was sent before its session ended, hence before the new grant; so its belief has
-run out before the new leader's begins, whatever made the old session end, as long as both
-machines' clocks run at the same rate. :meth:`LeaderElection.guard` adds a hard fence for
-writes to the same database; ``term`` is a fencing token for everything else.
-
-Terms are 64-bit transaction ids taken just after winning (``pg_current_xact_id()``), committed
-synchronously: they increase with every new leader, survive restarts, and need no schema.
+Why a new leader waits before acting, the validity window and terms: docs/leader.md.
 """
 
 from __future__ import annotations

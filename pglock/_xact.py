@@ -28,11 +28,7 @@ _T = TypeVar("_T")
 
 
 def xact_lock(
-    conn: object,
-    names: str | Sequence[str],
-    *,
-    shared: bool = False,
-    timeout: float | None = None,
+    conn: object, names: str | Sequence[str], *, shared: bool = False, timeout: float | None = None,
 ) -> None:
     """Take a transaction-level advisory lock, released when the caller's transaction ends.
 
@@ -162,10 +158,7 @@ def _statement(
 
 
 def _run(
-    conn: psycopg.Connection[Any],
-    state: ConnState,
-    timeout: float | None,
-    send: Callable[[], _T],
+    conn: psycopg.Connection[Any], state: ConnState, timeout: float | None, send: Callable[[], _T],
 ) -> _T | Any:
     """``send()``; None when the lock was not acquired in time, ``AGAIN`` when the session's
     own timeouts cut the wait short. After any failure the caller's transaction is back as it
