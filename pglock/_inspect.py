@@ -318,6 +318,8 @@ def semaphores(
         connection is left idle.
     :param schema: the pglock schema (default ``pglock``).
     :raises pglock.SchemaNotInstalled: the database has no semaphore tables in ``schema``.
+    :raises psycopg.errors.InsufficientPrivilege: the role may not read them (USAGE on the
+        schema, SELECT on ``semaphore`` and ``semaphore_permit``).
     :raises TypeError, ValueError: bad arguments, before any SQL.
 
     Example::
