@@ -207,14 +207,10 @@ def _json_default(value: object) -> str:
 
 
 #: Per section beyond the advisory locks: its title, what a role without the grant may not do,
-#: and the grant ({s}: the schema, {r}: the role).
+#: and the grant ({s}: the schema).
 _SECTIONS = {
     "names": ("Lock names", "read the name registry {s}.lock_names", "SELECT ON {s}.lock_names"),
-    "sessions": (
-        "Sessions of other roles",
-        "see their start, client, state and query",
-        "pg_read_all_stats",
-    ),
+    "sessions": ("Sessions of other roles", "see their start, client, query", "pg_read_all_stats"),
     "leases": ("Leases", "call {s}.leases()", "EXECUTE ON FUNCTION {s}.leases(text)"),
     "semaphores": (
         "Semaphores",
@@ -224,26 +220,19 @@ _SECTIONS = {
 }
 
 
-def _denied(section: str, schema: str, role: str, usage: bool | None) -> dict[str, Any]:
-    """The ``errors`` entry of a section the role may not read, with the grants that fix it."""
+def _error(section: str, schema: str, role: str | None, usage: bool | None) -> dict[str, Any]:
+    """The ``errors`` entry of a section not shown: the schema is missing (``role`` None) or
+    the role may not read it; ``fix`` says what would show it."""
+    if role is None:
+        message = f"the pglock schema {schema!r} is not installed in this database (or is old)"
+        fix = [f"pglock install --dsn DSN --schema {schema}"]
+        return {"error": "not_installed", "message": message, "fix": fix}
     _, what, grant = _SECTIONS[section]
     fix = [f"GRANT {grant.format(s=schema)} TO {role};"]
-    if usage is False and section != "sessions":
+    if usage is False and "{s}" in grant:  # objects in the schema need USAGE on it too
         fix.insert(0, f"GRANT USAGE ON SCHEMA {schema} TO {role};")
-    return {
-        "error": "permission_denied",
-        "message": f"role {role} may not {what.format(s=schema)}",
-        "fix": fix,
-    }
-
-
-def _not_installed(schema: str) -> dict[str, Any]:
-    return {
-        "error": "not_installed",
-        "message": f"the pglock schema {schema!r} is not installed in this database, or is "
-        "out of date",
-        "fix": [f"pglock install --dsn DSN --schema {schema}"],
-    }
+    message = f"role {role} may not {what.format(s=schema)}"
+    return {"error": "permission_denied", "message": message, "fix": fix}
 
 
 def status_snapshot(conn: Any, names: list[str] | None, schema: str) -> dict[str, Any]:
@@ -268,9 +257,9 @@ def status_snapshot(conn: Any, names: list[str] | None, schema: str) -> dict[str
         "errors": {},
     }
     if registry is False or (registry and usage is False):
-        doc["errors"]["names"] = _denied("names", schema, role, usage)
+        doc["errors"]["names"] = _error("names", schema, role, usage)
     if any(lk.pid is not None and lk.backend_start is None for lk in locks):
-        doc["errors"]["sessions"] = _denied("sessions", schema, role, usage)
+        doc["errors"]["sessions"] = _error("sessions", schema, role, usage)
     for section, read in (
         ("leases", lambda: _lease.list_leases(conn, schema=schema)),
         ("semaphores", lambda: _inspect.semaphores(conn, schema=schema)),
@@ -278,9 +267,9 @@ def status_snapshot(conn: Any, names: list[str] | None, schema: str) -> dict[str
         try:
             items = read()
         except SchemaNotInstalled:  # SQLSTATE 3F000, 42P01, 42883
-            doc["errors"][section] = _not_installed(schema)
+            doc["errors"][section] = _error(section, schema, None, usage)
         except InsufficientPrivilege:  # SQLSTATE 42501
-            doc["errors"][section] = _denied(section, schema, role, usage)
+            doc["errors"][section] = _error(section, schema, role, usage)
         else:
             doc[section] = [
                 dataclasses.asdict(x) for x in items if names is None or x.name in names
@@ -289,13 +278,8 @@ def status_snapshot(conn: Any, names: list[str] | None, schema: str) -> dict[str
 
 
 def _lock_doc(lock: Any) -> dict[str, Any]:
-    doc = dataclasses.asdict(lock)
-    doc["key_pair"] = list(lock.key_pair) if lock.key_pair is not None else None
-    doc["blocked_by"] = list(lock.blocked_by)
-    doc["label"] = lock.label
-    doc["held_for"] = lock.held_for
-    doc["waiting_for"] = lock.waiting_for
-    return doc
+    extra = {"label": lock.label, "held_for": lock.held_for, "waiting_for": lock.waiting_for}
+    return dataclasses.asdict(lock) | extra
 
 
 def _duration(seconds: float | None) -> str:
