@@ -212,22 +212,29 @@ def held_in_transaction(keys: Sequence[int]) -> sql.Composed:
 
 # --- introspection (pglock._inspect) ---------------------------------------------------
 
-#: ``pglock status``'s header: the database, the server's clock and its version number.
-STATUS_HEADER = sql.SQL(
-    "SELECT pg_catalog.current_database(), pg_catalog.clock_timestamp(),"
-    " pg_catalog.split_part(pg_catalog.current_setting('server_version'), ' ', 1)"
-)
+def status_header(schema: str) -> sql.Composed:
+    """``pglock status``'s header: the database, the server's clock, its version, the current
+    role (quoted for a GRANT), USAGE on ``schema`` and SELECT on its name registry (each NULL
+    when missing). Catalog lookups only: it works without any grant."""
+    return sql.SQL(
+        "SELECT pg_catalog.current_database(), pg_catalog.clock_timestamp(),"
+        " pg_catalog.split_part(pg_catalog.current_setting('server_version'), ' ', 1),"
+        " pg_catalog.quote_ident(CURRENT_USER),"
+        " (SELECT pg_catalog.has_schema_privilege(n.oid, 'USAGE')"
+        "  FROM pg_catalog.pg_namespace n WHERE n.nspname = {schema}),"
+        " (SELECT pg_catalog.has_table_privilege(c.oid, 'SELECT') FROM pg_catalog.pg_class c"
+        "  JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+        "  WHERE n.nspname = {schema} AND c.relname = {table})"
+    ).format(schema=sql.Literal(schema), table=sql.Literal(NAMES_TABLE))
 
 
 def relations_exist(schema: str, relations: Sequence[str]) -> sql.Composed:
-    """One row: are all ``relations`` in ``schema`` (and readable)? A catalog lookup that works
-    without USAGE on the schema."""
+    """One row: are all ``relations`` in ``schema``? A catalog lookup that works without USAGE
+    on the schema (reading them without the grants then fails with SQLSTATE 42501)."""
     return sql.SQL(
         "SELECT count(*) = {n} FROM pg_catalog.pg_class c"
         " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
         " WHERE n.nspname = {schema} AND c.relname = ANY({relations})"
-        " AND pg_catalog.has_schema_privilege(n.oid, 'USAGE')"
-        " AND pg_catalog.has_table_privilege(c.oid, 'SELECT')"
     ).format(
         n=sql.Literal(len(relations)),
         schema=sql.Literal(schema),
