@@ -1,32 +1,9 @@
 """The name registry: which lock name each advisory-lock key stands for.
 
-``pg_locks`` shows an advisory lock as two 32-bit halves of a 64-bit key; the name is lost in
-the hash. When the pglock schema is installed, pglock records ``(key, name)`` in the table
-``pglock.lock_names`` so that :func:`pglock.advisory_locks` and ``pglock status`` can show the
-name.
-
-Cost, by design:
-
-* at most one registration per (process, database, key): a process-wide cache remembers what
-  was sent (bounded: a process that touches more than :data:`MAX_CACHED` distinct keys may
-  send a registration again, which finds the row and writes nothing);
-* it rides in the same round trip as the lock statement that takes the key, after it, so a
-  waiter never holds an uncommitted registry row while it waits for the lock;
-* it never fails or slows the lock: the statement is a ``DO`` block that gives up after 1 ms
-  of waiting on a concurrent registration (``lock_timeout``) and swallows every error; it
-  skips SERIALIZABLE transactions, where an extra read could add a serialization failure to
-  the caller's transaction;
-* it is only sent when the connection's first pglock statement (the probe) found the table
-  and the INSERT privilege: ``REVOKE INSERT ON pglock.lock_names FROM <role>`` turns it off.
-
-Where, by design (issue 11 item 3): an INSERT runs the table's triggers and rules as the
-locking role, so the registry is ``pglock.lock_names`` of the pglock schema and nothing else
-(never a table found by name in another schema; the lock APIs take no schema, so the default
-one), and only when the probe finds it to be pglock's own: a plain table with pglock's
-comment, no trigger, rule or row security, owned by the owner of the schema, a role the
-current role trusts (itself, a role it is a member of, a superuser, the database owner). The
-check is :func:`pglock._sql._names_schema`; a database without the schema gets no
-registration at all.
+pglock records ``(key, name)`` in ``pglock.lock_names`` once per (process, database, key), in
+the lock statement's own round trip, so that :func:`pglock.advisory_locks` and ``pglock status``
+show names. It never fails or blocks a lock, and is used only when the table is pglock's own:
+docs/how-it-works.md ("The name registry") and docs/guarantees.md explain when and why.
 """
 
 from __future__ import annotations
