@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from psycopg import sql
 
-from pglock._schema import install_lock_key
+from pglock._contract import install_lock_key
 from pglock.migrations import alembic_execute, alembic_schema
 
 revision = ${repr(up_revision)}

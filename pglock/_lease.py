@@ -32,10 +32,10 @@ from psycopg.pq import TransactionStatus
 
 from . import _conn, _sql, _ttl
 from ._classify import HELD, SOURCES, classify
+from ._contract import DEFAULT_SCHEMA, MAX_TTL, lease_channel, validate_schema
 from ._deadline import NoAnswer
 from ._keys import DEFAULT as _DEFAULT
 from ._keys import validate_flag, validate_name, validate_timeout
-from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
 from ._source import (
     ANSWER_GRACE,
     SHORT_DEADLINE,
@@ -49,7 +49,6 @@ from ._source import statements as _statements
 from ._validate import (
     MAX_HOLDER_BYTES,
     MAX_METADATA_BYTES,
-    MAX_TTL,
     encode_metadata,
     validate_holder,
     validate_ttl,

@@ -31,9 +31,9 @@ from . import _conn, _sql
 from ._advisory import PgLock
 from ._classify import SOURCES, Kind, check_driver, classify
 from ._conn import IDLE, INERROR, INTRANS
+from ._contract import validate_schema
 from ._keys import DEFAULT as _DEFAULT
 from ._keys import normalize_names, validate_flag, validate_name, validate_timeout
-from ._schema import validate_schema
 from .errors import LockError, LockNotAcquired, SelfDeadlock, UnsupportedServer
 
 if TYPE_CHECKING:

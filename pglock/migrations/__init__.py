@@ -18,6 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .._contract import DEFAULT_SCHEMA, validate_schema
+
 #: The directory to add to Alembic's ``version_locations``.
 VERSIONS_DIR = str(Path(__file__).resolve().parent / "versions")
 
@@ -34,8 +36,6 @@ def alembic_schema() -> str:
     ``pglock_schema`` ini option, in that order; ``pglock`` when none is set.
     """
     from alembic import context
-
-    from .._schema import DEFAULT_SCHEMA, validate_schema
 
     config = context.config
     value = config.attributes.get("pglock_schema")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from psycopg import sql
 
-from pglock._schema import install_lock_key, lease_channel
+from pglock._contract import MAX_TTL, install_lock_key, lease_channel
 from pglock.migrations import alembic_execute, alembic_schema
 
 revision = "pglock_0001"
@@ -50,7 +50,7 @@ def _names(schema: str) -> dict[str, sql.Composable]:
         "channel": sql.Literal(lease_channel(schema)),
         "rev": sql.Literal(revision),
         "lock": sql.Literal(install_lock_key(schema)),
-        "max_ttl": sql.Literal(86400),
+        "max_ttl": sql.Literal(MAX_TTL),
         # The downgrade's refusal to drop live leases (dynamic SQL: the table may be gone).
         "lease_table": sql.Literal(f"{s.as_string(None)}.lease"),
         "lock_leases": sql.Literal(

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from psycopg import sql
 
-from pglock._keys import key
+from pglock._contract import LIMIT_MISMATCH, MAX_TTL, install_lock_key, semaphore_channel
 from pglock.migrations import alembic_execute, alembic_schema
 
 revision = "pglock_0002"
@@ -40,26 +40,14 @@ down_revision = "pglock_0001"
 branch_labels = None
 depends_on = None
 
-#: SQLSTATE raised when a caller's limit differs from the stored one (class "PG": pglock's).
-LIMIT_MISMATCH = "PGL01"
-
-
-def notify_channel(schema: str) -> str:
-    """The NOTIFY channel of the semaphores in ``schema``: ``<schema>_semaphore``, the schema
-    part cut so that the channel fits Postgres's 63-byte identifiers."""
-    suffix = "_semaphore"
-    head = schema.encode("utf-8")[: 63 - len(suffix)].decode("utf-8", "ignore")
-    return head + suffix
-
-
 def _names(schema: str) -> dict[str, sql.Composable]:
     s = sql.Identifier(schema)
     return {
         "s": s,
-        "channel": sql.Literal(notify_channel(schema)),
+        "channel": sql.Literal(semaphore_channel(schema)),
         "rev": sql.Literal(revision),
-        "lock": sql.Literal(key(f"pglock:install:{schema}")),
-        "max_ttl": sql.Literal(86400),
+        "lock": sql.Literal(install_lock_key(schema)),
+        "max_ttl": sql.Literal(MAX_TTL),
         "mismatch": sql.Literal(LIMIT_MISMATCH),
         # The downgrade's refusal to drop live permits (dynamic SQL: the table may be gone).
         "permit_table": sql.Literal(f"{s.as_string(None)}.semaphore_permit"),

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from psycopg import sql
 
-from pglock._keys import key
+from pglock._contract import install_lock_key
 from pglock.migrations import alembic_execute, alembic_schema
 
 revision = "pglock_0003"
@@ -41,7 +41,7 @@ def _names(schema: str) -> dict[str, sql.Composable]:
     return {
         "s": sql.Identifier(schema),
         "rev": sql.Literal(revision),
-        "lock": sql.Literal(key(f"pglock:install:{schema}")),
+        "lock": sql.Literal(install_lock_key(schema)),
     }
 
 
