@@ -98,10 +98,20 @@ def default_holder() -> str:
 # --- compiled statements (rendered once per schema; psycopg caches their parsing) ------------
 
 
+_STATEMENTS: dict[str, Callable[[str], sql.Composed]] = {
+    "acquire": _sql.lease_acquire,
+    "extend": _sql.lease_extend,
+    "extend_many": _sql.lease_extend_many,
+    "release": _sql.lease_release,
+    "guard": _sql.lease_guard,
+    "info": _sql.lease_info,
+    "list": _sql.lease_list,
+}
+
+
 @lru_cache(maxsize=64)
 def _stmt(kind: str, schema: str) -> bytes:
-    factory: Callable[[str], sql.Composed] = getattr(_sql, f"lease_{kind}")
-    return factory(schema).as_bytes(None)
+    return _STATEMENTS[kind](schema).as_bytes(None)
 
 
 # --- sources -----------------------------------------------------------------------------------
