@@ -57,3 +57,16 @@ def test_leaf_module() -> None:
             assert node.level == 0 and not (node.module or "").startswith("pglock")
         elif isinstance(node, ast.Import):
             assert not any(a.name.startswith("pglock") for a in node.names)
+
+
+def test_revisions_import_only_the_contract() -> None:
+    """pglock.migrations and its revisions take the contract from _contract alone (no
+    _schema: that was an import cycle)."""
+    root = Path(_contract.__file__).parent / "migrations"
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                ours = node.level > 0 or module.startswith("pglock")
+                private = module.removeprefix("pglock.").startswith("_")
+                assert not (ours and private) or module.endswith("_contract"), (path, module)
