@@ -23,6 +23,11 @@ MAX_TTL = 86400
 #: (class ``PG``: pglock's own).
 LIMIT_MISMATCH = "PGL01"
 
+#: The name registry (pglock._registry): ``<schema>.lock_names``, key -> the name pglock took
+#: it for; used only while the table's comment starts with ``NAMES_MARKER`` (revision 0003).
+NAMES_TABLE = "lock_names"
+NAMES_MARKER = "pglock name registry"
+
 #: Postgres identifiers (and so NOTIFY channels) are at most this many bytes.
 _MAX_IDENTIFIER_BYTES = 63
 

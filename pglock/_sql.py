@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from psycopg import sql
 
-from ._contract import DEFAULT_SCHEMA
+from ._contract import DEFAULT_SCHEMA, NAMES_MARKER, NAMES_TABLE
 
 SAVEPOINT_NAME = sql.Identifier("_pglock_acquire")
 
@@ -60,10 +60,6 @@ UNLOCK_MANY = {
     " FROM unnest(%s::bigint[]) AS k",
 }
 
-#: The name registry (see :mod:`pglock._registry`): key -> the name pglock took it for, in
-#: ``<schema>.lock_names`` of the configured pglock schema only, never found by name elsewhere.
-NAMES_TABLE = "lock_names"
-NAMES_MARKER = "pglock name registry"
 
 
 def _names_schema(schema: str, privilege: str) -> sql.Composed:
@@ -390,8 +386,6 @@ def unlock_if_held(keys: Sequence[int], *, shared: bool) -> sql.Composed:
         held_advisory(keys, shared=shared), func
     )
 
-
-UNLOCK_ALL = sql.SQL("SELECT pg_catalog.pg_advisory_unlock_all()")
 
 # The pool reset hook: one round trip that reports which advisory locks the session still holds
 # (as "key" or "key shared"; two-int4 keys as "classid,objid") and then drops them all. The

@@ -14,6 +14,7 @@ def test_literal_values() -> None:
     assert _contract.DEFAULT_SCHEMA == "pglock"
     assert _contract.MAX_TTL == 86400
     assert _contract.LIMIT_MISMATCH == "PGL01"
+    assert (_contract.NAMES_TABLE, _contract.NAMES_MARKER) == ("lock_names", "pglock name registry")
     assert _contract.install_lock_key("pglock") == 1593980019309567809
     assert _contract.install_lock_key("pglock") == _keys.key("pglock:install:pglock")
 

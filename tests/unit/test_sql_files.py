@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pglock import _schema
+from pglock._contract import NAMES_MARKER, NAMES_TABLE
 from pglock.migrations import split, sql_file
 
 # Released revisions never change: what they install is what clients of that release call.
@@ -61,6 +62,12 @@ def test_released_revisions_are_frozen(revision: str, direction: str) -> None:
     stmts = getattr(rev.module, f"{direction}_statements")("pglock")
     text = ";\n".join(s.as_string(None) for s in stmts)
     assert hashlib.sha256(text.encode()).hexdigest()[:16] == FROZEN[(revision, direction)]
+
+
+def test_registry_comment_carries_the_marker() -> None:
+    """pglock trusts ``<schema>.lock_names`` only while its comment starts with the marker."""
+    text = sql_file("0003_lock_names.up")
+    assert f"COMMENT ON TABLE {{s}}.{NAMES_TABLE} IS '{NAMES_MARKER}" in text
 
 
 def test_new_functions_are_versioned() -> None:
