@@ -15,8 +15,8 @@ import psycopg
 
 from . import _conn, _sql
 from ._conn import IDLE
+from ._contract import DEFAULT_SCHEMA, validate_schema
 from ._keys import normalize_names, validate_name
-from ._schema import DEFAULT_SCHEMA, validate_schema
 from .errors import SchemaNotInstalled
 
 __all__ = [

@@ -33,10 +33,10 @@ from psycopg.pq import TransactionStatus
 
 from . import _conn, _sql, _ttl
 from ._classify import HELD, SOURCES, classify
+from ._contract import DEFAULT_SCHEMA, MAX_TTL, lease_channel, validate_schema
 from ._deadline import NoAnswer
 from ._keys import DEFAULT as _DEFAULT
 from ._keys import validate_flag, validate_name, validate_timeout
-from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
 from ._source import (
     ANSWER_GRACE,
     SHORT_DEADLINE,
@@ -50,7 +50,6 @@ from ._source import statements as _statements
 from ._validate import (
     MAX_HOLDER_BYTES,
     MAX_METADATA_BYTES,
-    MAX_TTL,
     encode_metadata,
     validate_holder,
     validate_ttl,
@@ -105,10 +104,20 @@ def default_holder() -> str:
 # --- compiled statements (rendered once per schema; psycopg caches their parsing) ------------
 
 
+_STATEMENTS: dict[str, Callable[[str], sql.Composed]] = {
+    "acquire": _sql.lease_acquire,
+    "extend": _sql.lease_extend,
+    "extend_many": _sql.lease_extend_many,
+    "release": _sql.lease_release,
+    "guard": _sql.lease_guard,
+    "info": _sql.lease_info,
+    "list": _sql.lease_list,
+}
+
+
 @lru_cache(maxsize=64)
 def _stmt(kind: str, schema: str) -> bytes:
-    factory: Callable[[str], sql.Composed] = getattr(_sql, f"lease_{kind}")
-    return factory(schema).as_bytes(None)
+    return _STATEMENTS[kind](schema).as_bytes(None)
 
 
 # --- sources -----------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any, cast
 from psycopg_pool import ConnectionPool
 
 from ._classify import SOURCES, Deferred, Kind, classify
+from ._contract import validate_schema
 from ._deadline import connect_extra
 from ._keys import normalize_names, validate_name, validate_timeout
 from ._leader import LeaderElection, LeaderOptions
@@ -24,7 +25,6 @@ from ._lease import Lease, LeaseOptions
 from ._lease import lease as _lease
 from ._pool import _USE_PG_LOCK, PoolLock, PoolLockOptions, _classify, reset_connection
 from ._rwlock import RWLock, RWLockOptions
-from ._schema import validate_schema
 from ._semaphore import Semaphore, SemaphoreOptions
 from ._singleton import Singleton, SingletonOptions
 

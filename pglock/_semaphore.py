@@ -24,9 +24,9 @@ from psycopg import sql
 
 from . import _conn, _sql, _ttl
 from ._classify import Deferred
+from ._contract import DEFAULT_SCHEMA, LIMIT_MISMATCH, semaphore_channel, validate_schema
 from ._deadline import NoAnswer
 from ._keys import validate_name, validate_timeout
-from ._schema import DEFAULT_SCHEMA, validate_schema
 from ._source import ANSWER_GRACE, WAIT_CHUNK, DsnSource, Source, short_deadline
 from ._source import make_source as _make_source
 from ._validate import encode_metadata, validate_ttl
@@ -42,19 +42,10 @@ else:  # pragma: no cover - Python 3.10
 
 logger = logging.getLogger("pglock.semaphore")
 
-#: SQLSTATE of ``semaphore_acquire`` when the caller's limit differs from the stored one.
-LIMIT_MISMATCH = "PGL01"
 #: The largest limit (and weight) accepted: Postgres ``integer``.
 MAX_LIMIT = 2**31 - 1
 #: Wake this much after the earliest permit held elsewhere expires.
 _EXPIRY_MARGIN = 0.005
-
-
-def semaphore_channel(schema: str) -> str:
-    """The NOTIFY channel of semaphore releases in ``schema`` (``<schema>_semaphore``, cut to
-    Postgres's 63-byte identifiers). Must match revision ``pglock_0002``."""
-    suffix = "_semaphore"
-    return schema[: 63 - len(suffix)] + suffix
 
 
 #: Semaphores, to the shared TTL-row client. A waiter looks once more when its object's queue

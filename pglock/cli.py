@@ -82,10 +82,11 @@ def register_install(subparsers: argparse._SubParsersAction[_Parser]) -> None:
 
 def cmd_install(args: argparse.Namespace) -> int:
     from . import _schema
+    from ._contract import DEFAULT_SCHEMA, validate_schema
 
-    schema = _schema.DEFAULT_SCHEMA if args.schema is None else args.schema
+    schema = DEFAULT_SCHEMA if args.schema is None else args.schema
     try:
-        _schema.validate_schema(schema)
+        validate_schema(schema)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     dsn = args.dsn or os.environ.get("PGLOCK_DSN")
@@ -159,12 +160,12 @@ def _dsn(args: argparse.Namespace) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     import psycopg
 
-    from . import _schema
+    from ._contract import DEFAULT_SCHEMA, validate_schema
     from ._keys import normalize_names
 
-    schema = _schema.DEFAULT_SCHEMA if args.schema is None else args.schema
+    schema = DEFAULT_SCHEMA if args.schema is None else args.schema
     try:
-        _schema.validate_schema(schema)
+        validate_schema(schema)
         names = [n for _, n in normalize_names(args.names)] if args.names else None
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
