@@ -50,6 +50,94 @@ class _Block:
         self.p50 = median(samples)
 
 
+def _warm_up(cycles: dict[str, Callable[[], None]], warmup: int) -> dict[str, str]:
+    """Run every callable ``warmup`` times; the ones that raise, with the error."""
+    failed: dict[str, str] = {}
+    for key, f in cycles.items():
+        try:
+            for _ in range(warmup):
+                f()
+        except Exception as exc:
+            failed[key] = repr(exc)
+    return failed
+
+
+def _block_pair(
+    floor_f: Callable[[], None], f: Callable[[], None], per_block: int, *, floor_first: bool
+) -> tuple[_Block, _Block]:
+    """(floor block, X block), timed back to back in the order given."""
+    if floor_first:
+        fb = _Block(floor_f, per_block)
+        xb = _Block(f, per_block)
+    else:
+        xb = _Block(f, per_block)
+        fb = _Block(floor_f, per_block)
+    return fb, xb
+
+
+def _run_blocks(
+    cycles: dict[str, Callable[[], None]],
+    others: list[str],
+    failed: dict[str, str],
+    *,
+    blocks: int,
+    per_block: int,
+    floor: str,
+) -> tuple[dict[str, list[_Block]], dict[str, list[_Block]]]:
+    """The timed rounds of :func:`alternate`: (blocks per key, floor blocks paired with each
+    key). A key whose block raises goes into ``failed`` and is not run again."""
+    runs: dict[str, list[_Block]] = {k: [] for k in cycles}
+    paired_floor: dict[str, list[_Block]] = {k: [] for k in others}
+    for b in range(blocks):
+        shift = b % max(1, len(others))
+        for key in others[shift:] + others[:shift]:
+            if key in failed:
+                continue
+            try:
+                fb, xb = _block_pair(cycles[floor], cycles[key], per_block, floor_first=b % 2 == 0)
+            except Exception as exc:
+                failed[key] = repr(exc)
+                continue
+            runs[key].append(xb)
+            runs[floor].append(fb)
+            paired_floor[key].append(fb)
+    return runs, paired_floor
+
+
+def _block_figures(mine: list[_Block], per_block: int) -> tuple[dict[str, Any], float]:
+    """(the figures of one key over its blocks, its unrounded p50)."""
+    lat = [x for blk in mine for x in blk.samples]
+    p50 = median(lat)
+    entry: dict[str, Any] = {
+        "p50_us": rnd(p50, 1),
+        "p99_us": rnd(percentile(lat, 99), 1),
+        "mean_us": rnd(sum(lat) / len(lat), 1) if lat else None,
+        "cpu_us": rnd(median([blk.cpu_us for blk in mine]), 1),
+        "cycles_per_s": rnd(median([per_block / blk.elapsed for blk in mine]), 0),
+        "cycles": len(lat),
+    }
+    return entry, p50
+
+
+def _vs_floor(mine: list[_Block], fl: list[_Block], p50: float, cpu_us: Any) -> dict[str, Any]:
+    """The ratios of one key against the floor blocks paired with it."""
+    floor_p50 = median([x for blk in fl for x in blk.samples])
+    per_round = [x.p50 / f.p50 for x, f in zip(mine, fl, strict=True) if f.p50 > 0]
+    floor_cpu = median([blk.cpu_us for blk in fl])
+    return {
+        "ratio": rnd(p50 / floor_p50, 3),
+        "cpu_ratio": rnd(cpu_us / floor_cpu, 3) if floor_cpu > 0 else None,
+        "floor_p50_us": rnd(floor_p50, 1),
+        "ratio_blocks": [
+            rnd(min(per_round), 3),
+            rnd(median(per_round), 3),
+            rnd(max(per_round), 3),
+        ]
+        if per_round
+        else None,
+    }
+
+
 def alternate(
     cycles: dict[str, Callable[[], None]],
     *,
@@ -69,69 +157,23 @@ def alternate(
     the p50 of X over the p50 of the floor blocks paired with X (the ratio of medians); and the
     min/median/max of the per-round ratios. The floor's own figures pool all its blocks.
     """
-    failed: dict[str, str] = {}
-    for key, f in cycles.items():
-        try:
-            for _ in range(warmup):
-                f()
-        except Exception as exc:
-            failed[key] = repr(exc)
+    failed = _warm_up(cycles, warmup)
     if floor in failed:
         raise RuntimeError(f"the floor {floor!r} failed: {failed[floor]}")
     others = [k for k in cycles if k != floor and k not in failed]
-    runs: dict[str, list[_Block]] = {k: [] for k in cycles}
-    paired_floor: dict[str, list[_Block]] = {k: [] for k in others}
-    for b in range(blocks):
-        shift = b % max(1, len(others))
-        for key in others[shift:] + others[:shift]:
-            if key in failed:
-                continue
-            try:
-                if b % 2 == 0:
-                    fb, xb = _Block(cycles[floor], per_block), _Block(cycles[key], per_block)
-                else:
-                    xb, fb = _Block(cycles[key], per_block), _Block(cycles[floor], per_block)
-            except Exception as exc:
-                failed[key] = repr(exc)
-                continue
-            runs[key].append(xb)
-            runs[floor].append(fb)
-            paired_floor[key].append(fb)
+    runs, paired_floor = _run_blocks(
+        cycles, others, failed, blocks=blocks, per_block=per_block, floor=floor
+    )
     out: dict[str, dict[str, Any]] = {}
     for key in cycles:
         if key in failed:
             out[key] = {"error": failed[key]}
             continue
-        mine = runs[key]
-        lat = [x for blk in mine for x in blk.samples]
-        p50 = median(lat)
-        entry: dict[str, Any] = {
-            "p50_us": rnd(p50, 1),
-            "p99_us": rnd(percentile(lat, 99), 1),
-            "mean_us": rnd(sum(lat) / len(lat), 1) if lat else None,
-            "cpu_us": rnd(median([blk.cpu_us for blk in mine]), 1),
-            "cycles_per_s": rnd(median([per_block / blk.elapsed for blk in mine]), 0),
-            "cycles": len(lat),
-        }
+        entry, p50 = _block_figures(runs[key], per_block)
         if key == floor:
             entry.update(ratio=1.0, cpu_ratio=1.0, ratio_blocks=[1.0, 1.0, 1.0])
         else:
-            fl = paired_floor[key]
-            floor_p50 = median([x for blk in fl for x in blk.samples])
-            per_round = [x.p50 / f.p50 for x, f in zip(mine, fl, strict=True) if f.p50 > 0]
-            floor_cpu = median([blk.cpu_us for blk in fl])
-            entry.update(
-                ratio=rnd(p50 / floor_p50, 3),
-                cpu_ratio=rnd(entry["cpu_us"] / floor_cpu, 3) if floor_cpu > 0 else None,
-                floor_p50_us=rnd(floor_p50, 1),
-                ratio_blocks=[
-                    rnd(min(per_round), 3),
-                    rnd(median(per_round), 3),
-                    rnd(max(per_round), 3),
-                ]
-                if per_round
-                else None,
-            )
+            entry.update(_vs_floor(runs[key], paired_floor[key], p50, entry["cpu_us"]))
         out[key] = entry
     return out
 
@@ -236,6 +278,54 @@ def xact_round_trips(ctx: Context) -> dict[str, int]:
 COUNTER_DDL = "CREATE TABLE IF NOT EXISTS bench_counter (name text PRIMARY KEY, n bigint NOT NULL)"
 
 
+def _counter_connections(
+    stack: contextlib.ExitStack[Any], ctx: Context, threads: int, shared: str
+) -> list[Any]:
+    """A counter connection per thread (entered on ``stack``), with the counter row at 0."""
+    counter_conns = []
+    for _ in range(threads):
+        c = stack.enter_context(ctx.connect())
+        counter_conns.append(c)
+    counter_conns[0].execute(COUNTER_DDL)
+    counter_conns[0].execute("INSERT INTO bench_counter (name, n) VALUES (%s, 0)", (shared,))
+    return counter_conns
+
+
+def _bump_counter(cc: Any, shared: str, between: Callable[[], None] | None) -> None:
+    """Read the counter row and write it back plus one, non-atomically."""
+    row = cc.execute("SELECT n FROM bench_counter WHERE name = %s", (shared,)).fetchone()
+    assert row is not None
+    if between is not None:
+        between()
+    cc.execute(
+        "UPDATE bench_counter SET n = %s WHERE name = %s",
+        (row[0] + 1, shared),
+    )
+
+
+def _counter_check(conn: Any, shared: str, total: int) -> dict[str, Any]:
+    """The final counter against the number of cycles."""
+    row = conn.execute("SELECT n FROM bench_counter WHERE name = %s", (shared,)).fetchone()
+    final = row[0] if row else None
+    return {
+        "counter": final,
+        "lost_updates": None if final is None else total - final,
+        "exact": final == total,
+    }
+
+
+def _join_threads(ts: list[threading.Thread], stop: threading.Event, seconds: float) -> float:
+    """Let the threads run for ``seconds`` (or until they all end), stop them, and return the
+    elapsed time."""
+    t0 = time.perf_counter()
+    for t in ts:  # until the time is up, or every thread did its max_cycles
+        t.join(timeout=max(0.0, t0 + seconds - time.perf_counter()))
+    stop.set()
+    for t in ts:
+        t.join(timeout=30)
+    return time.perf_counter() - t0
+
+
 def contend(
     ctx: Context,
     adapter: Adapter,
@@ -260,15 +350,7 @@ def contend(
     stop = threading.Event()
     with contextlib.ExitStack() as stack:
         cls = stack.enter_context(_adapters.clients(adapter, ctx, threads))
-        counter_conns = []
-        if counter:
-            for _ in range(threads):
-                c = stack.enter_context(ctx.connect())
-                counter_conns.append(c)
-            counter_conns[0].execute(COUNTER_DDL)
-            counter_conns[0].execute(
-                "INSERT INTO bench_counter (name, n) VALUES (%s, 0)", (shared,)
-            )
+        counter_conns = _counter_connections(stack, ctx, threads, shared) if counter else []
         ready = threading.Barrier(threads + 1, timeout=30)
 
         def worker(i: int) -> None:
@@ -281,16 +363,7 @@ def contend(
                     client.acquire(names[i])
                     try:
                         if cc is not None:
-                            row = cc.execute(
-                                "SELECT n FROM bench_counter WHERE name = %s", (shared,)
-                            ).fetchone()
-                            assert row is not None
-                            if between is not None:
-                                between()
-                            cc.execute(
-                                "UPDATE bench_counter SET n = %s WHERE name = %s",
-                                (row[0] + 1, shared),
-                            )
+                            _bump_counter(cc, shared, between)
                     finally:
                         client.release()
                     n += 1
@@ -306,13 +379,7 @@ def contend(
         for t in ts:
             t.start()
         ready.wait()
-        t0 = time.perf_counter()
-        for t in ts:  # until the time is up, or every thread did its max_cycles
-            t.join(timeout=max(0.0, t0 + seconds - time.perf_counter()))
-        stop.set()
-        for t in ts:
-            t.join(timeout=30)
-        elapsed = time.perf_counter() - t0
+        elapsed = _join_threads(ts, stop, seconds)
         hung = [t.name for t in ts if t.is_alive()]
         if hung:
             errors.append(f"threads still running after the deadline: {hung}")
@@ -324,17 +391,7 @@ def contend(
             "cycles_per_s": rnd(total / elapsed, 1) if elapsed > 0 else None,
         }
         if counter:
-            row = (
-                counter_conns[0]
-                .execute("SELECT n FROM bench_counter WHERE name = %s", (shared,))
-                .fetchone()
-            )
-            final = row[0] if row else None
-            out.update(
-                counter=final,
-                lost_updates=None if final is None else total - final,
-                exact=final == total,
-            )
+            out.update(_counter_check(counter_conns[0], shared, total))
         if errors:
             out["errors"] = errors
         return out
@@ -401,6 +458,37 @@ ADVISORY_WAITERS = (
 )
 
 
+def _let_waiter_block(waiter: Client, monitor: Any, wait_timeout: float) -> bool:
+    """Give the waiter time to block: a Postgres wait is confirmed in pg_locks (False if it
+    never shows up); a polling or Redis waiter gets a random 30-130 ms head start."""
+    if not waiter.waits_in_postgres:
+        time.sleep(random.uniform(0.03, 0.13))
+        return True
+
+    def blocked() -> bool:
+        row = monitor.execute(ADVISORY_WAITERS).fetchone()
+        return bool(row and row[0])
+
+    return wait_until(blocked, wait_timeout)
+
+
+def _handoff_figures(adapter: Adapter, samples: list[float], errors: list[str]) -> dict[str, Any]:
+    """The result of :func:`handoff`: latencies in ms."""
+    ms = [x * 1000 for x in samples]
+    out: dict[str, Any] = {
+        "label": adapter.label,
+        "group": adapter.group,
+        "polls": adapter.polls,
+        "handoffs": len(ms),
+        "p50_ms": rnd(median(ms), 3),
+        "p99_ms": rnd(percentile(ms, 99), 3),
+        "mean_ms": rnd(sum(ms) / len(ms), 3) if ms else None,
+    }
+    if errors:
+        out["errors"] = errors
+    return out
+
+
 def handoff(
     ctx: Context, adapter: Adapter, rounds: int, wait_timeout: float = 30.0
 ) -> dict[str, Any]:
@@ -445,17 +533,9 @@ def handoff(
                         errors.append("waiter did not start")
                         break
                     started.clear()
-                    if waiter.waits_in_postgres:
-
-                        def blocked() -> bool:
-                            row = monitor.execute(ADVISORY_WAITERS).fetchone()
-                            return bool(row and row[0])
-
-                        if not wait_until(blocked, wait_timeout):
-                            errors.append("waiter never showed up in pg_locks")
-                            break
-                    else:
-                        time.sleep(random.uniform(0.03, 0.13))
+                    if not _let_waiter_block(waiter, monitor, wait_timeout):
+                        errors.append("waiter never showed up in pg_locks")
+                        break
                     t_release[0] = time.perf_counter()
                 finally:
                     holder.release()
@@ -469,19 +549,7 @@ def handoff(
             stop.set()
             go.set()  # let a waiting waiter thread end
             t.join(timeout=wait_timeout)
-    ms = [x * 1000 for x in samples]
-    out: dict[str, Any] = {
-        "label": adapter.label,
-        "group": adapter.group,
-        "polls": adapter.polls,
-        "handoffs": len(ms),
-        "p50_ms": rnd(median(ms), 3),
-        "p99_ms": rnd(percentile(ms, 99), 3),
-        "mean_ms": rnd(sum(ms) / len(ms), 3) if ms else None,
-    }
-    if errors:
-        out["errors"] = errors
-    return out
+    return _handoff_figures(adapter, samples, errors)
 
 
 def workload_c(ctx: Context, adapters: Sequence[Adapter]) -> dict[str, Any]:

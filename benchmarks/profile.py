@@ -41,93 +41,125 @@ def cpu_per_cycle(f: Cycle, n: int) -> float:
     return (time.thread_time() - t) * 1e6 / n
 
 
+Cycles = tuple[Cycle, Cycle, str]
+
+
+def _connect(
+    stack: contextlib.ExitStack[Any], dsn: str, autocommit: bool = True
+) -> psycopg.Connection[Any]:
+    return stack.enter_context(
+        psycopg.connect(dsn, autocommit=autocommit, application_name=APP_NAME)
+    )
+
+
+def _raw_on(c: psycopg.Connection[Any], k: int) -> Cycle:
+    def raw() -> None:
+        c.execute("SELECT pg_advisory_lock(%s)", (k,))
+        c.execute("SELECT pg_advisory_unlock(%s)", (k,))
+
+    return raw
+
+
+def _pg_lock_cycles(stack: contextlib.ExitStack[Any], dsn: str, name: str, k: int) -> Cycles:
+    c = _connect(stack, dsn)
+
+    def pg() -> None:
+        with pglock.pg_lock(c, name):
+            pass
+
+    return pg, _raw_on(_connect(stack, dsn), k), "pg_advisory_lock + unlock"
+
+
+def _xact_lock_cycles(stack: contextlib.ExitStack[Any], dsn: str, name: str, k: int) -> Cycles:
+    c1, c2 = _connect(stack, dsn), _connect(stack, dsn)
+
+    def xact() -> None:
+        with c1.transaction():
+            pglock.xact_lock(c1, name)
+
+    def raw_xact() -> None:
+        with c2.transaction():
+            c2.execute("SELECT pg_advisory_xact_lock(%s)", (k,))
+
+    return xact, raw_xact, "BEGIN; pg_advisory_xact_lock; COMMIT"
+
+
+def _pool_lock_cycles(stack: contextlib.ExitStack[Any], dsn: str, name: str, k: int) -> Cycles:
+    from psycopg_pool import ConnectionPool
+
+    def pool() -> Any:
+        return stack.enter_context(
+            ConnectionPool(
+                dsn,
+                min_size=1,
+                max_size=1,
+                kwargs={"application_name": APP_NAME, "autocommit": True},
+                open=True,
+            )
+        )
+
+    p1, p2 = pool(), pool()
+
+    def locked() -> None:
+        with pglock.pool_lock(p1, name):
+            pass
+
+    def checkout_raw() -> None:
+        with p2.connection() as c:
+            c.execute("SELECT pg_advisory_lock(%s)", (k,))
+            c.execute("SELECT pg_advisory_unlock(%s)", (k,))
+
+    return locked, checkout_raw, "pool checkout + pg_advisory_lock + unlock"
+
+
+def _lease_cycles(
+    stack: contextlib.ExitStack[Any], dsn: str, name: str, k: int, *, durable: bool = True
+) -> Cycles:
+    from psycopg_pool import ConnectionPool
+
+    from ._leases import install_schema
+
+    err = install_schema(dsn)
+    if err:
+        raise RuntimeError(err)
+    lp = stack.enter_context(
+        ConnectionPool(
+            dsn, min_size=1, max_size=2, kwargs={"application_name": APP_NAME}, open=True
+        )
+    )
+
+    def lease() -> None:
+        with _pglock.lease(lp, name, ttl=30, durable=durable):
+            pass
+
+    return lease, _raw_on(_connect(stack, dsn), k), "pg_advisory_lock + unlock"
+
+
+def _lease_nondurable_cycles(
+    stack: contextlib.ExitStack[Any], dsn: str, name: str, k: int
+) -> Cycles:
+    return _lease_cycles(stack, dsn, name, k, durable=False)
+
+
+TARGETS: dict[str, Callable[[contextlib.ExitStack[Any], str, str, int], Cycles]] = {
+    "pg_lock": _pg_lock_cycles,
+    "xact_lock": _xact_lock_cycles,
+    "pool_lock": _pool_lock_cycles,
+    "lease": _lease_cycles,
+    "lease-nondurable": _lease_nondurable_cycles,
+}
+
+
 @contextlib.contextmanager
-def cycles(target: str, dsn: str) -> Iterator[tuple[Cycle, Cycle, str]]:
+def cycles(target: str, dsn: str) -> Iterator[Cycles]:
     """(pglock cycle, raw cycle, what the raw one is) for ``target``."""
     name = f"bench:profile:{target}"
     k = sha256_key(name)
     with contextlib.ExitStack() as stack:
-
-        def connect(autocommit: bool = True) -> psycopg.Connection[Any]:
-            return stack.enter_context(
-                psycopg.connect(dsn, autocommit=autocommit, application_name=APP_NAME)
-            )
-
-        def raw_on(c: psycopg.Connection[Any]) -> Cycle:
-            def raw() -> None:
-                c.execute("SELECT pg_advisory_lock(%s)", (k,))
-                c.execute("SELECT pg_advisory_unlock(%s)", (k,))
-
-            return raw
-
-        if target == "pg_lock":
-            c = connect()
-
-            def pg() -> None:
-                with pglock.pg_lock(c, name):
-                    pass
-
-            yield pg, raw_on(connect()), "pg_advisory_lock + unlock"
-        elif target == "xact_lock":
-            c1, c2 = connect(), connect()
-
-            def xact() -> None:
-                with c1.transaction():
-                    pglock.xact_lock(c1, name)
-
-            def raw_xact() -> None:
-                with c2.transaction():
-                    c2.execute("SELECT pg_advisory_xact_lock(%s)", (k,))
-
-            yield xact, raw_xact, "BEGIN; pg_advisory_xact_lock; COMMIT"
-        elif target == "pool_lock":
-            from psycopg_pool import ConnectionPool
-
-            def pool() -> Any:
-                return stack.enter_context(
-                    ConnectionPool(
-                        dsn,
-                        min_size=1,
-                        max_size=1,
-                        kwargs={"application_name": APP_NAME, "autocommit": True},
-                        open=True,
-                    )
-                )
-
-            p1, p2 = pool(), pool()
-
-            def locked() -> None:
-                with pglock.pool_lock(p1, name):
-                    pass
-
-            def checkout_raw() -> None:
-                with p2.connection() as c:
-                    c.execute("SELECT pg_advisory_lock(%s)", (k,))
-                    c.execute("SELECT pg_advisory_unlock(%s)", (k,))
-
-            yield locked, checkout_raw, "pool checkout + pg_advisory_lock + unlock"
-        elif target in ("lease", "lease-nondurable"):
-            from psycopg_pool import ConnectionPool
-
-            from ._leases import install_schema
-
-            err = install_schema(dsn)
-            if err:
-                raise RuntimeError(err)
-            lp = stack.enter_context(
-                ConnectionPool(
-                    dsn, min_size=1, max_size=2, kwargs={"application_name": APP_NAME}, open=True
-                )
-            )
-            durable = target == "lease"
-
-            def lease() -> None:
-                with _pglock.lease(lp, name, ttl=30, durable=durable):
-                    pass
-
-            yield lease, raw_on(connect()), "pg_advisory_lock + unlock"
-        else:
+        make = TARGETS.get(target)
+        if make is None:
             raise SystemExit(f"unknown target {target!r}")
+        yield make(stack, dsn, name, k)
 
 
 def profile(target: str, dsn: str, n: int, blocks: int) -> None:

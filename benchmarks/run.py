@@ -336,32 +336,35 @@ def _fmt(v: Any, suffix: str = "") -> str:
     return f"{v}{suffix}"
 
 
-def markdown(result: dict[str, Any]) -> str:
-    """The tables of benchmarks/README.md for one result file."""
-    w = result["workloads"]
-    lines = [f"Run {result['date']}: `{result['command']}`", "", result["environment_line"], ""]
+def _md_a(w: dict[str, Any]) -> list[str]:
     a = _get(w, "A", "adapters")
-    if a:
-        lines += [
-            "**A. Uncontended acquire+release** (each adapter in blocks adjacent to blocks of"
-            " the raw floor; ratio = p50 / p50 of those floor blocks)",
-            "",
-            "| adapter | p50 µs | p99 µs | cycles/s | ratio vs raw | per-round ratio min-med-max "
-            "| client CPU µs/cycle | CPU ratio | round trips |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in a.values():
-            if "error" in r:
-                lines.append(f"| {r.get('label', '?')} | error: {r['error']} | | | | | | | |")
-                continue
-            rb = r.get("ratio_blocks") or [None] * 3
-            lines.append(
-                f"| {r['label']} | {_fmt(r['p50_us'])} | {_fmt(r['p99_us'])} | "
-                f"{_fmt(r['cycles_per_s'])} | {_fmt(r['ratio'], 'x')} | "
-                f"{_fmt(rb[0])}-{_fmt(rb[1])}-{_fmt(rb[2])} | {_fmt(r.get('cpu_us'))} | "
-                f"{_fmt(r.get('cpu_ratio'), 'x')} | {_fmt(r.get('round_trips'))} |"
-            )
-        lines.append("")
+    if not a:
+        return []
+    lines = [
+        "**A. Uncontended acquire+release** (each adapter in blocks adjacent to blocks of"
+        " the raw floor; ratio = p50 / p50 of those floor blocks)",
+        "",
+        "| adapter | p50 µs | p99 µs | cycles/s | ratio vs raw | per-round ratio min-med-max "
+        "| client CPU µs/cycle | CPU ratio | round trips |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in a.values():
+        if "error" in r:
+            lines.append(f"| {r.get('label', '?')} | error: {r['error']} | | | | | | | |")
+            continue
+        rb = r.get("ratio_blocks") or [None] * 3
+        lines.append(
+            f"| {r['label']} | {_fmt(r['p50_us'])} | {_fmt(r['p99_us'])} | "
+            f"{_fmt(r['cycles_per_s'])} | {_fmt(r['ratio'], 'x')} | "
+            f"{_fmt(rb[0])}-{_fmt(rb[1])}-{_fmt(rb[2])} | {_fmt(r.get('cpu_us'))} | "
+            f"{_fmt(r.get('cpu_ratio'), 'x')} | {_fmt(r.get('round_trips'))} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _md_threads(w: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     for tag, title in (("B", "B. {t} threads, distinct names"), ("D", "D. {t} threads, one name")):
         b = _get(w, tag, "adapters")
         if not b:
@@ -381,25 +384,40 @@ def markdown(result: dict[str, Any]) -> str:
                 + extra
             )
         lines.append("")
+    return lines
+
+
+def _md_c(w: dict[str, Any]) -> list[str]:
     c = _get(w, "C", "adapters")
-    if c:
-        lines += [
-            "**C. Handoff** (holder releases, blocked waiter acquires: release -> acquired)",
-            "",
-            "| adapter | p50 ms | p99 ms | handoffs | ratio vs raw |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for r in c.values():
-            err = " (errors)" if r.get("errors") else ""
-            lines.append(
-                f"| {r['label']}{err} | {_fmt(r.get('p50_ms'))} | {_fmt(r.get('p99_ms'))} | "
-                f"{r.get('handoffs', 0)} | {_fmt(r.get('ratio'), 'x')} |"
-            )
-        lines.append("")
+    if not c:
+        return []
+    lines = [
+        "**C. Handoff** (holder releases, blocked waiter acquires: release -> acquired)",
+        "",
+        "| adapter | p50 ms | p99 ms | handoffs | ratio vs raw |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in c.values():
+        err = " (errors)" if r.get("errors") else ""
+        lines.append(
+            f"| {r['label']}{err} | {_fmt(r.get('p50_ms'))} | {_fmt(r.get('p99_ms'))} | "
+            f"{r.get('handoffs', 0)} | {_fmt(r.get('ratio'), 'x')} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _md_skipped(w: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     for tag in "EFG":
         v = w.get(tag)
         if isinstance(v, dict) and "skipped" in v:
             lines += [f"**{tag}** skipped: {v['skipped']}", ""]
+    return lines
+
+
+def _md_e(w: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     k = _get(w, "E", "keepalive")
     if k:
         lines += [
@@ -424,46 +442,70 @@ def markdown(result: dict[str, Any]) -> str:
             + (f" (errors: {rows['errors']})" if rows.get("errors") else ""),
             "",
         ]
+    return lines
+
+
+def _md_f(w: dict[str, Any]) -> list[str]:
     f = w.get("F") or {}
-    if "one_process" in f or "processes" in f:
-        lines += [
-            "**F. Waiters on one lease** (statements = round trips sent from the first release"
-            " to the last grant)",
-            "",
-            "| waiters | handoffs | statements | per handoff | seconds |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for part, where in (("one_process", "in one process"), ("processes", "processes")):
-            r = f.get(part) or {}
-            who = (
-                f"{r.get('waiters')} in {r.get('processes')} processes"
-                if part == "processes"
-                else f"{r.get('waiters')} {where}"
-            )
-            err = f" (errors: {r['errors']})" if r.get("errors") else ""
-            lines.append(
-                f"| {who}{err} | {r.get('handoffs')} | {r.get('statements')} | "
-                f"{_fmt(r.get('statements_per_handoff'))} | {_fmt(r.get('seconds'))} |"
-            )
-        lines.append("")
+    if not ("one_process" in f or "processes" in f):
+        return []
+    lines = [
+        "**F. Waiters on one lease** (statements = round trips sent from the first release"
+        " to the last grant)",
+        "",
+        "| waiters | handoffs | statements | per handoff | seconds |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for part, where in (("one_process", "in one process"), ("processes", "processes")):
+        r = f.get(part) or {}
+        who = (
+            f"{r.get('waiters')} in {r.get('processes')} processes"
+            if part == "processes"
+            else f"{r.get('waiters')} {where}"
+        )
+        err = f" (errors: {r['errors']})" if r.get("errors") else ""
+        lines.append(
+            f"| {who}{err} | {r.get('handoffs')} | {r.get('statements')} | "
+            f"{_fmt(r.get('statements_per_handoff'))} | {_fmt(r.get('seconds'))} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _md_g(w: dict[str, Any]) -> list[str]:
     g = _get(w, "G", "cycles")
-    if g:
-        lines += [
-            "**G. Pools** (pool of one connection; alternating blocks)",
-            "",
-            "| cycle | p50 µs | p99 µs | ratio vs checkout+raw | client CPU µs | round trips |",
-            "|---|---:|---:|---:|---:|---:|",
-        ]
-        for key, r in g.items():
-            lines.append(
-                f"| {key} | {_fmt(r.get('p50_us'))} | {_fmt(r.get('p99_us'))} | "
-                f"{_fmt(r.get('ratio'), 'x')} | {_fmt(r.get('cpu_us'))} | "
-                f"{_fmt(r.get('round_trips'))} |"
-            )
-        lines.append("")
-    lines += ["**Targets (issue 7)**", "", "| target | status | measured |", "|---|---|---|"]
-    for t in result["targets"]:
+    if not g:
+        return []
+    lines = [
+        "**G. Pools** (pool of one connection; alternating blocks)",
+        "",
+        "| cycle | p50 µs | p99 µs | ratio vs checkout+raw | client CPU µs | round trips |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for key, r in g.items():
+        lines.append(
+            f"| {key} | {_fmt(r.get('p50_us'))} | {_fmt(r.get('p99_us'))} | "
+            f"{_fmt(r.get('ratio'), 'x')} | {_fmt(r.get('cpu_us'))} | "
+            f"{_fmt(r.get('round_trips'))} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _md_targets(targets: list[dict[str, Any]]) -> list[str]:
+    lines = ["**Targets (issue 7)**", "", "| target | status | measured |", "|---|---|---|"]
+    for t in targets:
         lines.append(f"| {t['target']} | {t['status']} | {t['shown']} |")
+    return lines
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The tables of benchmarks/README.md for one result file."""
+    w = result["workloads"]
+    lines = [f"Run {result['date']}: `{result['command']}`", "", result["environment_line"], ""]
+    for section in (_md_a, _md_threads, _md_c, _md_skipped, _md_e, _md_f, _md_g):
+        lines += section(w)
+    lines += _md_targets(result["targets"])
     return "\n".join(lines) + "\n"
 
 

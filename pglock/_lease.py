@@ -16,6 +16,7 @@ import math
 import os
 import random
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import psycopg
 from psycopg import sql
@@ -32,10 +33,10 @@ from psycopg.pq import TransactionStatus
 
 from . import _conn, _sql, _ttl
 from ._classify import HELD, SOURCES, classify
+from ._contract import DEFAULT_SCHEMA, MAX_TTL, lease_channel, validate_schema
 from ._deadline import NoAnswer
 from ._keys import DEFAULT as _DEFAULT
 from ._keys import validate_flag, validate_name, validate_timeout
-from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
 from ._source import (
     ANSWER_GRACE,
     SHORT_DEADLINE,
@@ -49,7 +50,6 @@ from ._source import statements as _statements
 from ._validate import (
     MAX_HOLDER_BYTES,
     MAX_METADATA_BYTES,
-    MAX_TTL,
     encode_metadata,
     validate_holder,
     validate_ttl,
@@ -63,6 +63,11 @@ from .errors import (
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pragma: no cover - Python 3.10
+    from typing_extensions import Unpack
 
 logger = logging.getLogger("pglock.lease")
 
@@ -99,10 +104,20 @@ def default_holder() -> str:
 # --- compiled statements (rendered once per schema; psycopg caches their parsing) ------------
 
 
+_STATEMENTS: dict[str, Callable[[str], sql.Composed]] = {
+    "acquire": _sql.lease_acquire,
+    "extend": _sql.lease_extend,
+    "extend_many": _sql.lease_extend_many,
+    "release": _sql.lease_release,
+    "guard": _sql.lease_guard,
+    "info": _sql.lease_info,
+    "list": _sql.lease_list,
+}
+
+
 @lru_cache(maxsize=64)
 def _stmt(kind: str, schema: str) -> bytes:
-    factory: Callable[[str], sql.Composed] = getattr(_sql, f"lease_{kind}")
-    return factory(schema).as_bytes(None)
+    return _STATEMENTS[kind](schema).as_bytes(None)
 
 
 # --- sources -----------------------------------------------------------------------------------
@@ -899,19 +914,21 @@ class Lease(_ttl.Held):
                 logger.exception("the on_lost callback of lease %r raised", self._name)
 
 
+class LeaseOptions(TypedDict, total=False):
+    """The options of :func:`lease` and ``Locker.lease`` (one definition for both)."""
+
+    ttl: float
+    timeout: float | None
+    metadata: Any
+    keepalive: bool
+    holder: str | None
+    on_lost: Callable[[Lease], object] | None
+    resume: bool
+    durable: bool
+
+
 def lease(
-    source: object,
-    name: str,
-    *,
-    ttl: float = 30.0,
-    timeout: float | None = None,
-    metadata: Any = None,
-    keepalive: bool = True,
-    holder: str | None = None,
-    on_lost: Callable[[Lease], object] | None = None,
-    resume: bool = False,
-    durable: bool = True,
-    schema: str = DEFAULT_SCHEMA,
+    source: object, name: str, *, schema: str = DEFAULT_SCHEMA, **options: Unpack[LeaseOptions]
 ) -> Lease:
     """A TTL lease on ``name`` with a fencing token, as a context manager.
 
@@ -923,19 +940,26 @@ def lease(
         or a DSN string. Lease statements run on connections of their own from it (for a DSN,
         pglock keeps a few connections open and closes them at exit), never in the caller's
         transaction.
-    :param ttl: seconds the lease lives without renewal (``0 < ttl <= 86400``).
-    :param timeout: ``None`` waits until granted; ``0`` tries once; ``> 0`` waits that long.
-    :param metadata: any JSON value stored with the lease (at most 64 KiB).
-    :param keepalive: renew in pglock's background thread at about ``ttl/3``.
-    :param holder: the holder id (default: ``host:pid:random``, unique per handle). The same
-        holder re-acquiring a live lease keeps its token. In one process, one handle per
-        holder id and lease: a second one's acquire raises :class:`pglock.errors.HolderInUse`.
-    :param on_lost: called as ``on_lost(lease)`` when the lease is lost (in pglock's thread).
-    :param resume: re-attach to a live lease of ``holder`` (after a restart) instead of
-        acquiring; :class:`pglock.LockLost` if there is none.
-    :param durable: False sends grants and renewals with ``synchronous_commit = off`` (faster;
-        a server crash can forget the last grants: see docs/leases.md).
     :param schema: the pglock schema (default ``pglock``).
+    :param options: keyword-only, the same for ``Locker.lease`` (``LeaseOptions``):
+
+        * ``ttl`` (default 30): seconds the lease lives without renewal (``0 < ttl <= 86400``);
+        * ``timeout`` (default None): ``None`` waits until granted; ``0`` tries once; ``> 0``
+          waits that long;
+        * ``metadata`` (default None): any JSON value stored with the lease (at most 64 KiB);
+        * ``keepalive`` (default True): renew in pglock's background thread at about
+          ``ttl/3``;
+        * ``holder`` (default: ``host:pid:random``, unique per handle): the holder id. The same
+          holder re-acquiring a live lease keeps its token. In one process, one handle per
+          holder id and lease: a second one's acquire raises
+          :class:`pglock.errors.HolderInUse`;
+        * ``on_lost`` (default None): called as ``on_lost(lease)`` when the lease is lost (in
+          pglock's thread);
+        * ``resume`` (default False): re-attach to a live lease of ``holder`` (after a restart)
+          instead of acquiring; :class:`pglock.LockLost` if there is none;
+        * ``durable`` (default True): False sends grants and renewals with
+          ``synchronous_commit = off`` (faster; a server crash can forget the last grants: see
+          docs/leases.md).
     :raises TypeError, ValueError: bad arguments, before any SQL.
 
     Example::
@@ -945,19 +969,7 @@ def lease(
                 lease.guard(conn)
                 conn.execute("UPDATE jobs SET state = 'done' WHERE id = 123")
     """
-    return Lease(
-        source,
-        name,
-        ttl=ttl,
-        timeout=timeout,
-        metadata=metadata,
-        keepalive=keepalive,
-        holder=holder,
-        on_lost=on_lost,
-        resume=resume,
-        durable=durable,
-        schema=schema,
-    )
+    return Lease(source, name, schema=schema, **options)
 
 
 # --- introspection -----------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import psycopg
 
@@ -228,6 +228,51 @@ class Workload:
 # --- the T27 soak ----------------------------------------------------------------------------
 
 
+def _soak_connect(req: dict[str, Any]) -> psycopg.Connection[Any] | None:
+    """A new session for the soak, or None if the server does not take one now."""
+    try:
+        return psycopg.connect(
+            req["dsn"], autocommit=True, application_name=req["app"], connect_timeout=2
+        )
+    except psycopg.OperationalError:
+        return None
+
+
+def _soak_acquire(
+    conn: psycopg.Connection[Any], kind: str, name: str, timeout: float
+) -> tuple[bool, pglock.PgLock | None]:
+    """One acquire attempt: (got it, the session lock to release or None)."""
+    if kind == "none":  # the negative control: no lock at all
+        return True, None
+    if kind == "session":
+        lock = pglock.pg_lock(conn, name, timeout=timeout)
+        return lock.acquire(), lock
+    conn.execute("BEGIN")
+    try:
+        pglock.xact_lock(conn, name, timeout=timeout)
+        return True, None
+    except pglock.LockNotAcquired:
+        conn.execute("ROLLBACK")
+        return False, None
+
+
+def _soak_section(oracle: Oracle, conn: psycopg.Connection[Any], p: str, op_id: str) -> bool:
+    """The critical section; whether it completed."""
+    try:
+        oracle.section(conn, p, op_id, None, 0.004)
+        return True
+    except Exception:
+        return False
+
+
+def _soak_release(conn: psycopg.Connection[Any], kind: str, lock: pglock.PgLock | None) -> None:
+    if kind == "session":
+        assert lock is not None
+        lock.release()
+    elif kind == "xact":
+        conn.execute("COMMIT")
+
+
 def soak(req: dict[str, Any]) -> dict[str, Any]:
     """Random acquire / critical section / release on a few names until the deadline, logging
     every invoke and completion to a history file (flushed per line, so a SIGKILL loses
@@ -259,35 +304,20 @@ def soak(req: dict[str, Any]) -> dict[str, Any]:
 
     while time.monotonic() < deadline:
         if conn is None or conn.closed or conn.broken:
-            try:
-                conn = psycopg.connect(
-                    req["dsn"], autocommit=True, application_name=req["app"], connect_timeout=2
-                )
-                gen += 1
-            except psycopg.OperationalError:
+            new = _soak_connect(req)
+            if new is None:
                 time.sleep(0.05)
                 continue
+            conn = new
+            gen += 1
         p = f"{os.getpid()}:{gen}"
         name = rng.choice(names)
         timeout = rng.choice([0.0, 0.05, 0.2])
         seq += 1
         op_id = f"{p}:{seq}"
         log(p=p, name=name, f="acquire", ev="invoke")
-        lock = None
         try:
-            if kind == "none":  # the negative control: no lock at all
-                ok = True
-            elif kind == "session":
-                lock = pglock.pg_lock(conn, name, timeout=timeout)
-                ok = lock.acquire()
-            else:
-                conn.execute("BEGIN")
-                try:
-                    pglock.xact_lock(conn, name, timeout=timeout)
-                    ok = True
-                except pglock.LockNotAcquired:
-                    ok = False
-                    conn.execute("ROLLBACK")
+            ok, lock = _soak_acquire(conn, kind, name, timeout)
         except Exception as exc:
             log(p=p, name=name, f="acquire", ev="info", error=type(exc).__name__)
             drop()  # the session ends, and with it anything the attempt may have got
@@ -296,18 +326,10 @@ def soak(req: dict[str, Any]) -> dict[str, Any]:
         if not ok:
             time.sleep(rng.uniform(0, 0.005))
             continue
-        try:
-            oracles[name].section(conn, p, op_id, None, 0.004)
-            section_ok = True
-        except Exception:
-            section_ok = False
+        section_ok = _soak_section(oracles[name], conn, p, op_id)
         log(p=p, name=name, f="release", ev="invoke")
         try:
-            if kind == "session":
-                assert lock is not None
-                lock.release()
-            elif kind == "xact":
-                conn.execute("COMMIT")
+            _soak_release(conn, kind, lock)
             log(p=p, name=name, f="release", ev="ok", op=op_id, acked=section_ok)
         except Exception as exc:
             # Lost some time after the acquire (session ended, transaction rolled back or an
@@ -370,93 +392,140 @@ class Holder:
 
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req["op"]
-        if op == "connect":
-            self.conn = psycopg.connect(
-                req["dsn"],
-                autocommit=req.get("autocommit", True),
-                application_name=req.get("app", "pglock-fault-holder"),
-            )
-            return {"ok": True, "pid": self.conn.info.backend_pid}
-        if op == "lock":
-            assert self.conn is not None
-            kind, name = req["kind"], req["name"]
-            if kind in ("session", "session_shared"):
-                lock = pglock.pg_lock(
-                    self.conn, name, shared=kind == "session_shared", timeout=req.get("timeout")
-                )
-                if not lock.acquire():
-                    return {"ok": False, "error": "LockNotAcquired", "message": "timeout"}
-                self.locks[name] = lock
-            elif kind == "xact":
-                if self.conn.autocommit:
-                    self.conn.execute("BEGIN")
-                pglock.xact_lock(self.conn, name, timeout=req.get("timeout"))
-                self.locks[name] = "xact"
-            elif kind == "lease":
-                held = pglock.lease(  # type: ignore[attr-defined]
-                    req["source"],
-                    name,
-                    ttl=req.get("ttl", 30),
-                    timeout=req.get("timeout"),
-                    keepalive=req.get("keepalive", True),
-                )
-                held.__enter__()
-                self.locks[name] = held
-                return {"ok": True, "token": held.token}
-            else:
-                cm = KINDS[kind](
-                    self.conn,
-                    name,
-                    {
-                        "source": req.get("source"),
-                        "ttl": req.get("ttl"),
-                        "timeout": req.get("timeout"),
-                    },
-                )
-                token = self.stack.enter_context(cm)
-                self.locks[name] = cm
-                return {"ok": True, "token": token}
-            return {"ok": True}
-        if op == "release":
-            assert self.conn is not None
-            held = self.locks.pop(req["name"])
-            if held == "xact":
-                self.conn.commit() if not self.conn.autocommit else self.conn.execute("COMMIT")
-            elif isinstance(held, pglock.PgLock):
-                held.release()
-            else:
-                held.__exit__(None, None, None)
-            return {"ok": True}
-        if op == "sql":
-            assert self.conn is not None
-            cur = self.conn.execute(req["sql"], req.get("params"))
-            rows = cur.fetchall() if cur.description else []
-            return {"ok": True, "rows": rows}
-        if op == "prepare":
-            self.workload = Workload(req)
-            return {"ok": True}
-        if op == "go":
-            assert self.workload is not None
-            return self.workload.run()
-        if op == "lease_check":
-            self.locks[req["name"]].check()
-            return {"ok": True}
-        if op == "lease_write":
-            assert self.conn is not None
-            held = self.locks[req["name"]]
-            with self.conn.transaction():
-                if req.get("guard", True):
-                    held.guard(self.conn)
-                self.conn.execute(req["sql"], req.get("params"))
-            return {"ok": True}
-        if op == "candidate":
-            self.locks["candidate"] = candidate(req)
-            return {"ok": True}
-        if op == "soak":
-            return soak(req)
-        if op == "ping":
-            return {"ok": True}
-        raise ValueError(f"unknown op {op!r}")
+        # An op that is not a string (even an unhashable one) is unknown, as any other.
+        handler = self.OPS.get(op) if isinstance(op, str) else None
+        if handler is None:
+            raise ValueError(f"unknown op {op!r}")
+        return handler(self, req)
+
+    def _connect(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.conn = psycopg.connect(
+            req["dsn"],
+            autocommit=req.get("autocommit", True),
+            application_name=req.get("app", "pglock-fault-holder"),
+        )
+        return {"ok": True, "pid": self.conn.info.backend_pid}
+
+    def _lock(self, req: dict[str, Any]) -> dict[str, Any]:
+        assert self.conn is not None
+        kind, name = req["kind"], req["name"]
+        if kind in ("session", "session_shared"):
+            return self._lock_session(self.conn, kind, name, req)
+        if kind == "xact":
+            return self._lock_xact(self.conn, name, req)
+        if kind == "lease":
+            return self._lock_lease(name, req)
+        return self._lock_kind(self.conn, kind, name, req)
+
+    def _lock_session(
+        self, conn: psycopg.Connection[Any], kind: str, name: str, req: dict[str, Any]
+    ) -> dict[str, Any]:
+        lock = pglock.pg_lock(
+            conn, name, shared=kind == "session_shared", timeout=req.get("timeout")
+        )
+        if not lock.acquire():
+            return {"ok": False, "error": "LockNotAcquired", "message": "timeout"}
+        self.locks[name] = lock
+        return {"ok": True}
+
+    def _lock_xact(
+        self, conn: psycopg.Connection[Any], name: str, req: dict[str, Any]
+    ) -> dict[str, Any]:
+        if conn.autocommit:
+            conn.execute("BEGIN")
+        pglock.xact_lock(conn, name, timeout=req.get("timeout"))
+        self.locks[name] = "xact"
+        return {"ok": True}
+
+    def _lock_lease(self, name: str, req: dict[str, Any]) -> dict[str, Any]:
+        held = pglock.lease(  # type: ignore[attr-defined]
+            req["source"],
+            name,
+            ttl=req.get("ttl", 30),
+            timeout=req.get("timeout"),
+            keepalive=req.get("keepalive", True),
+        )
+        held.__enter__()
+        self.locks[name] = held
+        return {"ok": True, "token": held.token}
+
+    def _lock_kind(
+        self, conn: psycopg.Connection[Any], kind: str, name: str, req: dict[str, Any]
+    ) -> dict[str, Any]:
+        cm = KINDS[kind](
+            conn,
+            name,
+            {
+                "source": req.get("source"),
+                "ttl": req.get("ttl"),
+                "timeout": req.get("timeout"),
+            },
+        )
+        token = self.stack.enter_context(cm)
+        self.locks[name] = cm
+        return {"ok": True, "token": token}
+
+    def _release(self, req: dict[str, Any]) -> dict[str, Any]:
+        assert self.conn is not None
+        held = self.locks.pop(req["name"])
+        if held == "xact":
+            self.conn.commit() if not self.conn.autocommit else self.conn.execute("COMMIT")
+        elif isinstance(held, pglock.PgLock):
+            held.release()
+        else:
+            held.__exit__(None, None, None)
+        return {"ok": True}
+
+    def _sql(self, req: dict[str, Any]) -> dict[str, Any]:
+        assert self.conn is not None
+        cur = self.conn.execute(req["sql"], req.get("params"))
+        rows = cur.fetchall() if cur.description else []
+        return {"ok": True, "rows": rows}
+
+    def _prepare(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.workload = Workload(req)
+        return {"ok": True}
+
+    def _go(self, req: dict[str, Any]) -> dict[str, Any]:
+        assert self.workload is not None
+        return self.workload.run()
+
+    def _lease_check(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.locks[req["name"]].check()
+        return {"ok": True}
+
+    def _lease_write(self, req: dict[str, Any]) -> dict[str, Any]:
+        assert self.conn is not None
+        held = self.locks[req["name"]]
+        with self.conn.transaction():
+            if req.get("guard", True):
+                held.guard(self.conn)
+            self.conn.execute(req["sql"], req.get("params"))
+        return {"ok": True}
+
+    def _candidate(self, req: dict[str, Any]) -> dict[str, Any]:
+        self.locks["candidate"] = candidate(req)
+        return {"ok": True}
+
+    def _soak(self, req: dict[str, Any]) -> dict[str, Any]:
+        return soak(req)
+
+    def _ping(self, req: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True}
+
+    OPS: ClassVar[dict[str, Callable[[Holder, dict[str, Any]], dict[str, Any]]]] = {
+        "connect": _connect,
+        "lock": _lock,
+        "release": _release,
+        "sql": _sql,
+        "prepare": _prepare,
+        "go": _go,
+        "lease_check": _lease_check,
+        "lease_write": _lease_write,
+        "candidate": _candidate,
+        "soak": _soak,
+        "ping": _ping,
+    }
 
 
 def main() -> None:

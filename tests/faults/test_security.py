@@ -115,6 +115,110 @@ def with_password(dsn: str, password: str) -> str:
     return with_params(dsn, password=password)
 
 
+Seen = Callable[[object], None]
+
+
+def _timeouts_and_fail_fast(
+    a: psycopg.Connection[Any], b: psycopg.Connection[Any], name: str, seen: Seen
+) -> None:
+    """A held lock, then on another session: a timeout, a fail-fast, a failed transaction's
+    deferred release."""
+    lock = pglock.pg_lock(a, name)
+    seen(lock)
+    assert lock.acquire()
+    seen(lock)
+    for attempt in (
+        lambda: pglock.pg_lock(b, name, timeout=0.05).acquire(),
+        lambda: pglock.pg_lock(b, name, timeout=0).acquire(),
+    ):
+        assert attempt() is False
+    try:
+        with b.transaction():
+            pglock.xact_lock(b, name, timeout=0.05)
+    except pglock.LockNotAcquired as exc:
+        seen(exc)
+    lock.release()
+
+
+def _deadlock(connect: Connect, observer: psycopg.Connection[Any], name: str, seen: Seen) -> None:
+    c1, c2 = connect(), connect()
+    l1, l2 = pglock.pg_lock(c1, name + ":1"), pglock.pg_lock(c2, name + ":2")
+    assert l1.acquire() and l2.acquire()
+    errs: list[BaseException] = []
+
+    def cross() -> None:
+        try:
+            got = pglock.pg_lock(c1, name + ":2", timeout=10)
+            if got.acquire():
+                got.release()
+        except BaseException as exc:
+            errs.append(exc)
+        finally:
+            l1.release()
+
+    t = threading.Thread(target=cross)
+    t.start()
+    wait_for(lambda: c1.info.backend_pid in waiters(observer, pglock.key(name + ":2")))
+    try:
+        other = pglock.pg_lock(c2, name + ":1", timeout=10)
+        if other.acquire():
+            other.release()
+    except pglock.DeadlockDetected as exc:
+        seen(exc)
+    l2.release()
+    t.join(10)
+    assert not t.is_alive()
+    for e in errs:
+        seen(e)
+
+
+def _lost_lock(connect: Connect, observer: psycopg.Connection[Any], name: str, seen: Seen) -> None:
+    """A lost lock (backend terminated)."""
+    victim = connect()
+    lost = pglock.pg_lock(victim, name + ":lost")
+    assert lost.acquire()
+    observer.execute("SELECT pg_terminate_backend(%s, 5000)", (victim.info.backend_pid,))
+    with pytest.raises(pglock.LockLost) as info:
+        lost.release()
+    seen(info.value)
+
+
+def _pool_and_locker(dsn: str, app_name: str, name: str, seen: Seen) -> None:
+    """A pool reset that finds a leaked lock, pool_lock, and Lockers on a pool and a DSN."""
+    pool_mod = pytest.importorskip("psycopg_pool")
+    with pool_mod.ConnectionPool(
+        dsn,
+        min_size=1,
+        max_size=1,
+        kwargs={"autocommit": True, "application_name": app_name},
+        reset=pglock.reset_connection,
+    ) as pool:
+        pc = pool.getconn()
+        seen(pc)
+        pc.execute("SELECT pg_advisory_lock(%s)", (pglock.key(name + ":leak"),))
+        pool.putconn(pc)
+        with pglock.pool_lock(pool, name + ":pool", timeout=1) as c:
+            seen(c)
+        locker = pglock.Locker(pool, namespace="sec")
+        seen(locker)
+    locker = pglock.Locker(dsn, namespace="sec")
+    seen(locker)
+    with locker.lock("x", timeout=5):
+        pass
+    locker.close()
+
+
+def _leaks(records: list[logging.LogRecord], extra: list[str], secret: str) -> list[str]:
+    """The texts (``extra``, and every record's message and traceback) that contain
+    ``secret``."""
+    out = list(extra)
+    for record in records:
+        out.append(record.getMessage())
+        if record.exc_info:
+            out.append(logging.Formatter().formatException(record.exc_info))
+    return [t for t in out if secret in t]
+
+
 def test_security_no_password_in_logs_or_errors(
     pg_dsn: str,
     app_name: str,
@@ -141,98 +245,22 @@ def test_security_no_password_in_logs_or_errors(
     try:
         a, b = connect(), connect()
         assert a.info.password == secret  # the secret was there to be leaked
-        lock = pglock.pg_lock(a, name)
-        seen(lock)
-        assert lock.acquire()
-        seen(lock)
         # A timeout, a fail-fast, a failed transaction's deferred release.
-        for attempt in (
-            lambda: pglock.pg_lock(b, name, timeout=0.05).acquire(),
-            lambda: pglock.pg_lock(b, name, timeout=0).acquire(),
-        ):
-            assert attempt() is False
-        try:
-            with b.transaction():
-                pglock.xact_lock(b, name, timeout=0.05)
-        except pglock.LockNotAcquired as exc:
-            seen(exc)
-        lock.release()
+        _timeouts_and_fail_fast(a, b, name, seen)
         # A deadlock.
-        c1, c2 = connect(), connect()
-        l1, l2 = pglock.pg_lock(c1, name + ":1"), pglock.pg_lock(c2, name + ":2")
-        assert l1.acquire() and l2.acquire()
-        errs: list[BaseException] = []
-
-        def cross() -> None:
-            try:
-                got = pglock.pg_lock(c1, name + ":2", timeout=10)
-                if got.acquire():
-                    got.release()
-            except BaseException as exc:
-                errs.append(exc)
-            finally:
-                l1.release()
-
-        t = threading.Thread(target=cross)
-        t.start()
-        wait_for(lambda: c1.info.backend_pid in waiters(observer, pglock.key(name + ":2")))
-        try:
-            other = pglock.pg_lock(c2, name + ":1", timeout=10)
-            if other.acquire():
-                other.release()
-        except pglock.DeadlockDetected as exc:
-            seen(exc)
-        l2.release()
-        t.join(10)
-        assert not t.is_alive()
-        for e in errs:
-            seen(e)
+        _deadlock(connect, observer, name, seen)
         # A lost lock (backend terminated) and a pool reset that finds a leaked lock.
-        victim = connect()
-        lost = pglock.pg_lock(victim, name + ":lost")
-        assert lost.acquire()
-        observer.execute("SELECT pg_terminate_backend(%s, 5000)", (victim.info.backend_pid,))
-        with pytest.raises(pglock.LockLost) as info:
-            lost.release()
-        seen(info.value)
-        pool_mod = pytest.importorskip("psycopg_pool")
-        with pool_mod.ConnectionPool(
-            dsn,
-            min_size=1,
-            max_size=1,
-            kwargs={"autocommit": True, "application_name": app_name},
-            reset=pglock.reset_connection,
-        ) as pool:
-            pc = pool.getconn()
-            seen(pc)
-            pc.execute("SELECT pg_advisory_lock(%s)", (pglock.key(name + ":leak"),))
-            pool.putconn(pc)
-            with pglock.pool_lock(pool, name + ":pool", timeout=1) as c:
-                seen(c)
-            locker = pglock.Locker(pool, namespace="sec")
-            seen(locker)
-        locker = pglock.Locker(dsn, namespace="sec")
-        seen(locker)
-        with locker.lock("x", timeout=5):
-            pass
-        locker.close()
+        _lost_lock(connect, observer, name, seen)
+        _pool_and_locker(dsn, app_name, name, seen)
     finally:
         for c in conns:
             c.close()
 
     assert caplog.records, "the scenario should have logged something"
 
-    def leaks(records: list[logging.LogRecord], extra: list[str]) -> list[str]:
-        out = list(extra)
-        for record in records:
-            out.append(record.getMessage())
-            if record.exc_info:
-                out.append(logging.Formatter().formatException(record.exc_info))
-        return [t for t in out if secret in t]
-
-    assert leaks(caplog.records, texts) == []
+    assert _leaks(caplog.records, texts, secret) == []
     # Negative control: the same check finds a secret that a careless log line would expose.
     careless = logging.LogRecord(
         "pglock", logging.DEBUG, __file__, 0, "connecting to %s", (dsn,), None
     )
-    assert leaks([careless], []) != []
+    assert _leaks([careless], [], secret) != []
