@@ -86,6 +86,7 @@ class LockNotAcquired(LockError, TimeoutError):
         what: str = "lock",
         busy: str | None = "it is held by another session",
         detail: str | None = None,
+        message: str | None = None,
     ) -> LockNotAcquired:
         """The error for ``names`` (one lock or several taken together) not acquired within
         ``timeout``: ``name`` is the one name or the names joined, ``key`` the one key.
@@ -94,11 +95,13 @@ class LockNotAcquired(LockError, TimeoutError):
             of semaphore"``).
         :param busy: why a try (``timeout=0``) failed; None says "within 0.00 s".
         :param detail: appended after a colon (who holds it, why it was refused).
+        :param message: the whole message instead.
         """
         name = ", ".join(names) if names else None
         key = keys[0] if len(keys) == 1 else None
         text = _could_not(f"{what} {name!r}" if name is not None else what, timeout, busy)
-        return cls(name, key=key, timeout=timeout, message=f"{text}: {detail}" if detail else text)
+        text = message or (f"{text}: {detail}" if detail else text)
+        return cls(name, key=key, timeout=timeout, message=text)
 
 
 def _could_not(

@@ -83,6 +83,11 @@ SAMPLES: list[tuple[LockError, dict[str, object], str]] = [
         "could not acquire lease 'q' within 0.00 s: held by 'w'",
     ),
     (
+        LockNotAcquired.for_names(["a"], keys=[1], timeout=2, message="pool exhausted"),
+        {"name": "a", "key": 1, "timeout": 2},
+        "pool exhausted",
+    ),
+    (
         LockLost.for_names(["a", "b"], "the connection was closed"),
         {"name": "a, b", "reason": "the connection was closed"},
         "lock 'a, b' was lost: the connection was closed",
