@@ -9,6 +9,7 @@ renews; this module holds the lease's hooks (its attempt, the batch renewal, the
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -23,17 +24,17 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from enum import Enum
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
-from . import _conn, _sql, _ttl
+from . import _base, _conn, _sql, _ttl
 from ._classify import HELD, SOURCES, classify
 from ._deadline import NoAnswer
-from ._keys import DEFAULT as _DEFAULT
 from ._keys import validate_flag, validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
 from ._source import (
@@ -43,9 +44,7 @@ from ._source import (
     Source,
     short_deadline,
 )
-from ._source import count as _count
 from ._source import make_source as _make_source
-from ._source import statements as _statements
 from ._validate import (
     MAX_HOLDER_BYTES,
     MAX_METADATA_BYTES,
@@ -61,22 +60,65 @@ from .errors import (
     LockNotAcquired,
 )
 
-if TYPE_CHECKING:
-    from typing_extensions import Self
-
 logger = logging.getLogger("pglock.lease")
 
 #: Wake this much after the holder's expiry, so the server sees it expired.
 _EXPIRY_MARGIN = 0.002
 
-_NEW, _HELD, _RELEASED = "new", "held", "released"
+
+
+class State(Enum):
+    """Where a lease handle is: never acquired (or given up), held, known lost, released."""
+
+    NEW = "new"
+    HELD = "held"
+    LOST = "lost"
+    RELEASED = "released"
+
+
+_NEW, _HELD, _LOST, _RELEASED = State.NEW, State.HELD, State.LOST, State.RELEASED
+
+
+class Grant(NamedTuple):
+    """An acquire's row, with when it was sent and answered (``time.monotonic()``)."""
+
+    granted: bool
+    holder: str | None
+    token: int | None
+    acquired_at: datetime | None
+    expires_at: datetime | None
+    server_time: datetime | None
+    sent: float
+    received: float
+
+
+class Renewal(NamedTuple):
+    """An ``extend`` row."""
+
+    token: int
+    acquired_at: datetime
+    expires_at: datetime
+    metadata: Any
+
+
+class Renewed(NamedTuple):
+    """An ``extend_many`` row: a lease renewed."""
+
+    name: str
+    token: int
+    expires_at: datetime
+
+
+class Released(NamedTuple):
+    """A ``release`` row: ``released``, ``expired`` or ``not_held``, and whether it notified
+    waiters."""
+
+    status: str
+    notified: bool
 
 #: Leases, to the shared TTL-row client.
 LEASES = _ttl.Rows("lease", lease_channel)
 
-#: Statements sent, by kind ("acquire", "extend", "extend_many", "release", "guard", "ping",
-#: ...): for tests and benchmarks that count round trips (kept in ``_source.py``).
-statements = _statements
 
 
 # --- validation --------------------------------------------------------------------------------
@@ -207,7 +249,7 @@ class LeaseInfo:
     expires_in: float
 
 
-class Lease(_ttl.Held):
+class Lease(_base.BaseLock, _ttl.Held):
     """A TTL lease on a name, with a fencing token; see :func:`lease`.
 
     Thread safety: a ``Lease`` may be shared between threads (``check()``, ``guard()`` and the
@@ -225,8 +267,14 @@ class Lease(_ttl.Held):
     port and database name as written in the source (``localhost`` and ``127.0.0.1`` count as
     two databases).
 
-    ``acquire()`` returns True only for a grant whose answer arrived before the grant's
-    client deadline (send time + ``ttl``); a later one is given back, never believed.
+    ``acquire(blocking=True, timeout=<the lease's timeout>) -> bool`` follows the lock
+    contract (docs/locks.md). It returns True only for a grant whose answer arrived before the
+    grant's client deadline (send time + ``ttl``); a later one is given back, never believed.
+    An acquire that gets no answer by ``timeout + ANSWER_GRACE`` (1 s) returns False. It raises
+    :class:`RuntimeError` when this handle already holds the lease, :class:`HolderInUse`
+    (before any SQL) when another live handle of the process has its holder id, and
+    :class:`pglock.LockLost` for ``resume=True`` (which never waits) when no live lease of the
+    holder exists.
     """
 
     def __init__(
@@ -270,7 +318,6 @@ class Lease(_ttl.Held):
         self._op = threading.Lock()  # acquire / release / extend, one at a time
         self._lock = threading.Lock()  # the fields below
         self._state = _NEW
-        self._lost = False
         self._lost_reason = ""
         self._gen = 0
         self._token: int | None = None
@@ -338,70 +385,84 @@ class Lease(_ttl.Held):
     def locked(self) -> bool:
         """True while held and not lost (the client deadline has not passed)."""
         with self._lock:
-            return self._state == _HELD and not self._lost and time.monotonic() < self._deadline
+            return self._state is _HELD and time.monotonic() < self._deadline
 
     @property
     def lost(self) -> bool:
         """True when the lease was held and is known lost (or its client deadline passed)."""
         with self._lock:
-            return self._state == _HELD and (self._lost or time.monotonic() >= self._deadline)
+            return self._state is _LOST or (
+                self._state is _HELD and time.monotonic() >= self._deadline
+            )
 
     def __repr__(self) -> str:
-        with self._lock:
-            state = "lost" if self._state == _HELD and self._lost else self._state
-        return f"<pglock.Lease {self._name!r} {state} token={self._token}>"
+        return f"<pglock.Lease {self._name!r} {self._state.value} token={self._token}>"
 
     # -- acquire -----------------------------------------------------------------------------
 
-    def acquire(self, blocking: bool = True, timeout: float | None = _DEFAULT) -> bool:
-        """Take the lease; return True when granted, False when not granted in time.
+    def _acquire(self, timeout: float | None) -> bool:
+        waits = self._waiters()
+        gen = waits.enter()
+        try:
+            with self._op:
+                granted = not waits.closed(gen) and self._acquire_now(
+                    timeout, lambda: waits.closed(gen)
+                )
+        finally:
+            waits.leave()
+        if granted and waits.closed(gen):
+            # close() ran meanwhile: nobody waits for this grant any more.
+            with contextlib.suppress(LockLost):
+                self.release()
+            self._why_not = "close() was called"
+            return False
+        return granted
 
-        True means granted *and* still within the grant's client deadline (send time of the
-        acquire + ttl) when the answer arrived: a grant that arrives later is given back and
-        the wait goes on, or False is returned. An acquire that gets no answer by ``timeout +``
-        ``ANSWER_GRACE`` (1 s; a silent network) returns False; a grant it may have made
-        expires at its TTL.
+    def _acquire_now(self, timeout: float | None, closed: _ttl.Closed) -> bool:
+        self._forget_lost()
+        self._claim()
+        granted = False
+        try:
+            self._why_not = None
+            if self._resume:
+                granted = self._do_resume()
+            elif timeout == 0:
+                granted = self._attempt_once()
+            else:
+                granted = self._wait_and_acquire(timeout, closed)
+            return granted
+        finally:
+            if not granted:
+                self._unclaim()
 
-        :param blocking: False tries once (same as ``timeout=0``).
-        :param timeout: seconds to wait; ``None`` waits forever; omitted uses the timeout given
-            to :func:`lease`. Ignored for ``resume=True``, which never waits.
-        :raises RuntimeError: this handle already holds the lease.
-        :raises pglock.errors.HolderInUse: another live handle of this process has the same
-            holder id on this lease (before any SQL).
-        :raises pglock.LockLost: ``resume=True`` and no live lease of this holder exists.
-        :raises pglock.SchemaNotInstalled: the database has no lease schema.
-        """
-        validate_flag(blocking, "blocking")
-        timeout = self._timeout if timeout is _DEFAULT else validate_timeout(timeout)
-        if not blocking:
-            if timeout not in (None, 0):
-                raise ValueError("can't specify a timeout for a non-blocking acquire")
-            timeout = 0.0
-        with self._op:
-            with self._lock:
-                held = self._state == _HELD
-                valid = held and not self._lost and time.monotonic() < self._deadline
-            if valid:
+    def _forget_lost(self) -> None:
+        """Refuse a second acquire of a held handle; a lost one may be taken again."""
+        with self._lock:
+            state = self._state
+            if state is _HELD and time.monotonic() < self._deadline:
                 raise RuntimeError(f"this lease handle for {self._name!r} is already held")
-            if held:
-                # A lost lease may be taken again without releasing it first.
-                self._lose("its TTL ran out before a renewal succeeded")
-                with self._lock:
-                    self._state = _NEW
-            self._claim()
-            granted = False
-            try:
-                self._why_not = None
-                if self._resume:
-                    granted = self._do_resume()
-                elif timeout == 0:
-                    granted = self._attempt_once()
-                else:
-                    granted = self._wait_and_acquire(timeout)
-                return granted
-            finally:
-                if not granted:
-                    self._unclaim()
+        if state in (_HELD, _LOST):
+            self._lose("its TTL ran out before a renewal succeeded")
+            with self._lock:
+                self._state = _NEW
+
+    def _outstanding(self) -> bool:
+        return self._state in (_HELD, _LOST)
+
+    def _not_acquired(self) -> LockNotAcquired:
+        info = ""
+        if self._why_not is not None:
+            info = f": {self._why_not}"
+        elif self._refused is not None and self._refused[0] is not None:
+            info = f": held by {self._refused[0]!r} until {self._refused[1]}"
+        within = "" if self._timeout is None else f" within {self._timeout:.2f} s"
+        return LockNotAcquired(
+            self._name, timeout=self._timeout,
+            message=f"could not acquire lease {self._name!r}{within}{info}",
+        )
+
+    def _wake(self) -> None:
+        _ttl.wake(self._qkey, None)
 
     # -- one live handle per holder id -------------------------------------------------------
 
@@ -416,10 +477,10 @@ class Lease(_ttl.Held):
             other = None if other_ref is None else other_ref()
             if other is not None and other is not self:
                 with other._lock:
-                    live = other._state != _HELD or not (
-                        other._lost or time.monotonic() >= other._deadline
+                    live = other._state is not _LOST and not (
+                        other._state is _HELD and time.monotonic() >= other._deadline
                     )
-                    if live and not (self._resume and other._state == _HELD):
+                    if live and not (self._resume and other._state is _HELD):
                         raise HolderInUse(
                             self._name, holder=self._holder, schema=self._schema
                         )
@@ -442,7 +503,7 @@ class Lease(_ttl.Held):
 
     # -- acquiring ---------------------------------------------------------------------------
 
-    def _attempt(self, wait: float | None) -> tuple[Any, ...] | None:
+    def _attempt(self, wait: float | None) -> Grant | None:
         """One acquire statement, asking the server to wait ``wait`` seconds at most (None:
         ``WAIT_CHUNK``). Returns its row plus the monotonic send and receive times, or None
         when it got no answer by ``wait + ANSWER_GRACE`` (it was cut off)."""
@@ -464,43 +525,41 @@ class Lease(_ttl.Held):
             )
             logger.warning("acquiring lease %r: %s: %s", self._name, self._why_not, exc)
             return None
-        row = (*rows[0], sent, time.monotonic())
-        if not row[0]:
-            self._refused = (row[1], row[4])
+        row = Grant._make((*rows[0], sent, time.monotonic()))
+        if not row.granted:
+            self._refused = (row.holder, row.expires_at)
         return row
 
     def _attempt_once(self) -> bool:
         row = self._attempt(0.0)
         if row is None:
             return False
-        if row[0]:
+        if row.granted:
             return self._granted(row)
-        logger.debug("lease %r is held by %r until %s", self._name, row[1], row[4])
+        logger.debug("lease %r is held by %r until %s", self._name, row.holder, row.expires_at)
         return False
 
-    def _granted(self, row: tuple[Any, ...]) -> bool:
+    def _granted(self, row: Grant) -> bool:
         """Believe a grant, if its answer came before its client deadline; else give it back
         (best effort) and return False."""
-        _granted, _holder, token, acquired_at, expires_at, _server, sent, received = row
-        if received >= sent + self._ttl:
-            self._give_back(token, received - sent)
+        if row.received >= row.sent + self._ttl:
+            self._give_back(row.token, row.received - row.sent)
             return False
         with self._lock:
             self._state = _HELD
-            self._lost = False
             self._lost_reason = ""
             self._gen += 1
-            self._token = token
-            self._acquired_at = acquired_at
-            self._expires_at = expires_at
-            self._sent_at = sent
-            self._deadline = sent + self._ttl
+            self._token = row.token
+            self._acquired_at = row.acquired_at
+            self._expires_at = row.expires_at
+            self._sent_at = row.sent
+            self._deadline = row.sent + self._ttl
             self._retry_at = None
-        logger.debug("acquired lease %r (token %s)", self._name, token)
+        logger.debug("acquired lease %r (token %s)", self._name, row.token)
         _ttl.register(self)
         return True
 
-    def _give_back(self, token: int, took: float) -> None:
+    def _give_back(self, token: int | None, took: float) -> None:
         """A grant whose answer came after its client deadline: this handle never believes
         it. Release it now (the statement is idempotent per holder) so nobody waits a TTL."""
         self._why_not = (
@@ -522,42 +581,41 @@ class Lease(_ttl.Held):
                 self._name, exc,
             )
 
-    def _wait_and_acquire(self, timeout: float | None) -> bool:
+    def _wait_and_acquire(self, timeout: float | None, closed: _ttl.Closed) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         granted = _ttl.wait(
             LEASES, self._source, self._schema, self._name, None, deadline,
-            self._try_once, self._local_wake,
+            self._try_once, self._local_wake, closed,
         )
         return granted is not None
 
     def _try_once(self, wait: float | None) -> _ttl.Attempt:
         """One attempt of a waiter (the head of this process's queue for the name)."""
         row = self._attempt(wait)
-        if row is not None and row[0] and self._granted(row):
+        if row is not None and row.granted and self._granted(row):
             return True, False, None
-        return None, row is not None and not row[0], self._wake_after(row)
+        return None, row is not None and not row.granted, self._wake_after(row)
 
     def _local_wake(self, local: Lease | None) -> float | None:
         """When to look again while a lease of this process holds the name (None: now)."""
         if local is None or local is self:
             return None
         with local._lock:
-            if local._state == _HELD and not local._lost:
+            if local._state is _HELD:
                 return local._deadline + _EXPIRY_MARGIN
-            if local._state == _RELEASED:
+            if local._state is _RELEASED:
                 # Its release is in flight; its end wakes us (a short safety net).
                 return time.monotonic() + 1.0
         return None
 
     @staticmethod
-    def _wake_after(row: tuple[Any, ...] | None) -> float:
+    def _wake_after(row: Grant | None) -> float:
         """When to try again after an attempt that did not grant: just after the holder's
         expiry on the server clock, or after a short jittered pause (contention, a grant
         given back, no answer)."""
-        if row is not None and not row[0] and row[4] is not None and row[5] is not None:
-            left = max(0.0, float((row[4] - row[5]).total_seconds()))
-            received: float = row[7]
-            return received + left + _EXPIRY_MARGIN
+        if row is not None and not row.granted and row.expires_at and row.server_time:
+            left = max(0.0, float((row.expires_at - row.server_time).total_seconds()))
+            return row.received + left + _EXPIRY_MARGIN
         return time.monotonic() + random.uniform(0.005, 0.02)
 
     def _do_resume(self) -> bool:
@@ -581,14 +639,16 @@ class Lease(_ttl.Held):
                 reason=f"cannot resume: no live lease is held by {self._holder!r} (it expired, "
                 "was released, or another holder has it)",
             )
-        token, acquired_at, expires_at, metadata = rows[0]
+        token, acquired_at, expires_at, metadata = Renewal._make(rows[0])
         if received >= sent + self._ttl:
             # Not believed, and not given back either: a later resume can still re-attach.
             self._why_not = "the resume's answer arrived after its ttl had run out"
             logger.info("lease %r: %s", self._name, self._why_not)
             return False
         self._metadata = metadata
-        self._granted((True, self._holder, token, acquired_at, expires_at, None, sent, received))
+        self._granted(
+            Grant(True, self._holder, token, acquired_at, expires_at, None, sent, received)
+        )
         logger.info("resumed lease %r (token %s)", self._name, token)
         return True
 
@@ -606,11 +666,11 @@ class Lease(_ttl.Held):
         """
         with self._op:
             with _claims_lock, self._lock:
-                if self._state != _HELD:
+                if self._state not in (_HELD, _LOST):
                     raise RuntimeError(f"release of a lease that is not held: {self._name!r}")
+                was_lost, reason = self._state is _LOST, self._lost_reason
                 self._state = _RELEASED
                 self._gen += 1
-                was_lost, reason = self._lost, self._lost_reason
                 token = self._token
                 superseded = self._superseded
             if superseded:
@@ -633,7 +693,7 @@ class Lease(_ttl.Held):
                 raise
             finally:
                 self._unclaim()
-            status, notified = rows[0]
+            status, notified = Released._make(rows[0])
             _ttl.unregister(self, notified=bool(notified))
             if status == "released":
                 logger.debug("released lease %r (token %s)", self._name, token)
@@ -650,41 +710,6 @@ class Lease(_ttl.Held):
             elif not was_lost:
                 reason = "it was no longer held by this holder (expired and taken over)"
             raise LockLost(self._name, reason=reason)
-
-    def __enter__(self) -> Self:
-        if not self.acquire():
-            info = ""
-            if self._why_not is not None:
-                info = f": {self._why_not}"
-            elif self._refused is not None and self._refused[0] is not None:
-                info = f": held by {self._refused[0]!r} until {self._refused[1]}"
-            raise LockNotAcquired(
-                self._name,
-                timeout=self._timeout,
-                message=(
-                    f"could not acquire lease {self._name!r}"
-                    + ("" if self._timeout is None else f" within {self._timeout:.2f} s")
-                    + info
-                ),
-            )
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        with self._lock:
-            held = self._state == _HELD
-        if not held:
-            return
-        if exc is None:
-            self.release()
-            return
-        try:
-            self.release()
-        except Exception:
-            # Never mask the body's exception with a release problem.
-            logger.warning(
-                "releasing lease %r after the block raised %r failed", self._name, exc,
-                exc_info=True,
-            )
 
     # -- while held --------------------------------------------------------------------------
 
@@ -732,7 +757,7 @@ class Lease(_ttl.Held):
                 self._ensure_valid()
             with self._lock:
                 self._ttl = new_ttl
-            self._renewed(gen, sent, new_ttl, rows[0][2], received)
+            self._renewed(gen, sent, new_ttl, Renewal._make(rows[0]).expires_at, received)
             # Lost meanwhile (the keepalive's deadline, a late answer): say so, never return
             # as if renewed.
             self._ensure_valid()
@@ -768,7 +793,6 @@ class Lease(_ttl.Held):
         with self._lock:
             token, gen = self._token, self._gen
         try:
-            _count("guard")
             found = _conn.fetch(pg, _stmt("guard", self._schema), (self._name, self._holder, token))
             row = found[0][0] if found[0] else None
         except psycopg.Error as exc:
@@ -783,11 +807,9 @@ class Lease(_ttl.Held):
                 self._source, "info", self._schema, (self._name,),
                 deadline=short_deadline(self._ttl),
             )
-            if rows and rows[0][1] == self._holder and rows[0][2] == token:
-                raise InvalidConnectionState(
-                    f"guard(): this connection does not see lease {self._name!r}, which is "
-                    "still held: is it connected to the lease's database?"
-                )
+            info = _info(rows[0]) if rows else None
+            if info is not None and (info.holder, info.token) == (self._holder, token):
+                raise InvalidConnectionState(_unseen(pg, self._name))
             self._lose("guard found it no longer held (expired or taken over)", gen=gen)
             self._ensure_valid()
             raise LockLost(self._name, reason="guard found it no longer held")
@@ -796,15 +818,10 @@ class Lease(_ttl.Held):
 
     def _ensure_valid(self) -> None:
         with self._lock:
-            state, lost, reason, deadline = (
-                self._state,
-                self._lost,
-                self._lost_reason,
-                self._deadline,
-            )
-        if state != _HELD:
+            state, reason, deadline = self._state, self._lost_reason, self._deadline
+        if state not in (_HELD, _LOST):
             raise RuntimeError(f"lease {self._name!r} is not held")
-        if lost:
+        if state is _LOST:
             raise LockLost(self._name, reason=reason)
         if time.monotonic() >= deadline:
             self._lose("its TTL ran out before a renewal succeeded")
@@ -813,11 +830,11 @@ class Lease(_ttl.Held):
             raise LockLost(self._name, reason=reason)
 
     def _live(self) -> bool:
-        return self._state == _HELD and not self._lost
+        return self._state is _HELD
 
     def _snapshot(self) -> tuple[Lease, str, str, int, float, int] | None:
         with self._lock:
-            if self._state != _HELD or self._lost or self._token is None:
+            if self._state is not _HELD or self._token is None:
                 return None
             return (self, self._name, self._holder, self._token, self._ttl, self._gen)
 
@@ -828,7 +845,7 @@ class Lease(_ttl.Held):
         the answer came after the current deadline (the lease was lost by then, and
         ``on_lost`` may have run: a late answer never brings it back)."""
         with self._lock:
-            if gen != self._gen or self._state != _HELD or self._lost:
+            if gen != self._gen or self._state is not _HELD:
                 return
             late = received >= self._deadline
             if not late:
@@ -869,7 +886,7 @@ class Lease(_ttl.Held):
                 lease._renew_failed(sent)
             return
         received = time.monotonic()
-        renewed = {(r[0], r[1]): r[2] for r in rows}
+        renewed = {(r.name, r.token): r.expires_at for r in map(Renewed._make, rows)}
         for lease, name, _holder, token, ttl, gen in snaps:
             expires_at = renewed.get((name, token))
             if expires_at is not None:
@@ -883,20 +900,40 @@ class Lease(_ttl.Held):
 
     def _lose(self, reason: str, gen: int | None = None) -> None:
         with self._lock:
-            if self._state != _HELD or self._lost or (gen is not None and gen != self._gen):
+            if self._state is not _HELD or (gen is not None and gen != self._gen):
                 return
-            self._lost = True
+            self._state = _LOST
             self._lost_reason = reason
         _ttl.unregister(self)
         if self._keepalive:
             logger.warning("lease %r (token %s) was lost: %s", self._name, self._token, reason)
         else:
             logger.info("lease %r (token %s) ended: %s", self._name, self._token, reason)
-        if self._on_lost is not None:
-            try:
-                self._on_lost(self)
-            except Exception:
-                logger.exception("the on_lost callback of lease %r raised", self._name)
+        on_lost = self._on_lost
+        if on_lost is not None:
+            _ttl.call_soon(lambda: self._call(on_lost))
+
+    def _call(self, on_lost: Callable[[Lease], object]) -> None:
+        try:
+            on_lost(self)
+        except Exception:
+            logger.exception("the on_lost callback of lease %r raised", self._name)
+
+
+def _unseen(pg: psycopg.Connection[Any], name: str) -> str:
+    """Why a connection does not see a lease that is held: a snapshot taken before the grant
+    (REPEATABLE READ, SERIALIZABLE), or another database."""
+    isolation = _conn.fetch(pg, _sql.TRANSACTION_ISOLATION)[0][0][0]
+    if isolation in ("repeatable read", "serializable"):
+        return (
+            f"guard(): this {isolation} transaction does not see lease {name!r}, which is still "
+            "held: the transaction's snapshot is older than the grant; start the transaction "
+            "after acquiring"
+        )
+    return (
+        f"guard(): this connection does not see lease {name!r}, which is still held: is it "
+        "connected to the lease's database?"
+    )
 
 
 def lease(
@@ -976,7 +1013,6 @@ def _query(
     status = _conn.check_usable(pg)
     own = status == TransactionStatus.IDLE and not pg.autocommit
     try:
-        _count(kind)
         rows = _conn.fetch(pg, _stmt(kind, schema), params)[0]
     except psycopg.Error as exc:
         if own and not pg.broken:

@@ -22,7 +22,6 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
@@ -60,19 +59,6 @@ WAIT_CHUNK = 30.0
 SHORT_DEADLINE = (1.0, 30.0)
 #: The longest a new NOTIFY listener takes to connect and LISTEN (seconds).
 LISTEN_DEADLINE = 10.0
-
-#: Statements sent, by kind (the lease statements "acquire", "extend", "extend_many",
-#: "release", "guard", ..., the semaphore ones "semaphore_acquire", "semaphore_extend", ...,
-#: and "ping" for a source's liveness checks): for tests and benchmarks that count round trips.
-statements: Counter[str] = Counter()
-_stats_lock = threading.Lock()
-
-
-def count(kind: str) -> None:
-    """Count one statement of ``kind`` in :data:`statements`."""
-    with _stats_lock:
-        statements[kind] += 1
-
 
 # --- deadlines -----------------------------------------------------------------------------------
 
@@ -231,7 +217,6 @@ def _alive(conn: psycopg.Connection[Any]) -> bool:
     left as it was, as psycopg_pool's ``check_connection`` does.)"""
     if conn.closed or conn.broken:
         return False
-    count("ping")
     try:
         if conn.autocommit or conn.info.transaction_status != TransactionStatus.IDLE:
             _conn.fetch(conn, b"")
@@ -484,9 +469,8 @@ atexit.register(close_dsn_sources)
 
 def _after_fork_in_child() -> None:
     # Connections and locks do not survive a fork: the child opens its own.
-    global _dsn_lock, _stats_lock
+    global _dsn_lock
     _dsn_lock = threading.Lock()
-    _stats_lock = threading.Lock()
     _dsn_sources.clear()
 
 

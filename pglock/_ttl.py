@@ -12,6 +12,7 @@ import atexit
 import logging
 import math
 import os
+import queue
 import random
 import threading
 import time
@@ -27,7 +28,7 @@ from psycopg.pq import TransactionStatus
 
 from . import _conn, _sql
 from ._keys import remaining as _remaining
-from ._source import Source, close_dsn_sources, count, listen_deadline, open_listening
+from ._source import Source, close_dsn_sources, listen_deadline, open_listening
 from .errors import InvalidConnectionState
 
 logger = logging.getLogger("pglock.ttl")
@@ -60,6 +61,8 @@ Key = tuple[Any, ...]
 #: An attempt's outcome: the grant (None: none), whether the database refused (rather than no
 #: answer, or a grant too late), and when to look again (monotonic; None: at the next wake-up).
 Attempt = tuple[Any, bool, float | None]
+#: Whether close() ended a wait.
+Closed = Callable[[], bool]
 
 
 @dataclass(frozen=True)
@@ -68,14 +71,12 @@ class Rows:
 
     :ivar user: ``"lease"``, ``"semaphore"``: the ``pglock.<user>`` logger, the messages.
     :ivar channel: the NOTIFY channel of its releases in a schema (the payload is the name).
-    :ivar prefix: of its statement kinds in :data:`pglock._source.statements`.
     :ivar look_again_on_subscribe: a wait queue looks once more when it first has a listener,
         not only when the LISTEN connection is new (as the semaphore client always has).
     """
 
     user: str
     channel: Callable[[str], str]
-    prefix: str = ""
     look_again_on_subscribe: bool = False
 
     @property
@@ -95,8 +96,7 @@ def run(
     return the rows of its last row-returning statement and whether it was sent a second time
     because its connection died under it (:meth:`Source.run_once_more`: it must be safe to).
 
-    :param kind: ``"acquire"``, ``"extend_many"``, ...: for the log, the messages and
-        :data:`pglock._source.statements` (after :attr:`Rows.prefix`).
+    :param kind: ``"acquire"``, ``"extend_many"``, ...: for the log and the messages.
     :param params: of one statement, sent again at READ COMMITTED when the session's own
         timeouts or isolation level fail it. None: ``query`` is a batch with its values as
         literals and its own ``BEGIN ...; COMMIT``, sent as it is.
@@ -125,7 +125,6 @@ def _execute(
     try:
         if params is not None:
             return _with_retries(conn, rows, kind, query, params, binary)
-        count(rows.prefix + kind)
         try:
             results = _conn.fetch(conn, query)
         except psycopg.Error:
@@ -151,7 +150,6 @@ def _with_retries(
 ) -> Result:
     state = _conn.state_for(conn)
     for attempt in range(_RETRIES + 1):
-        count(rows.prefix + kind)
         try:
             if attempt == 0 and not state.session_timeouts:
                 return _conn.fetch(conn, query, params, binary=binary)[0]
@@ -183,7 +181,6 @@ def _read_committed(
 ) -> Result:
     """``query`` in an explicit READ COMMITTED transaction, the session's timeouts off: three
     round trips, only after a failure at the default level or on a session with timeouts."""
-    count(rows.prefix + "retry_read_committed")
     _conn.fetch(conn, _BEGIN)
     try:
         found = _conn.fetch(conn, query, params, binary=binary)[0]
@@ -257,7 +254,6 @@ class _Listener:
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def _connect(self, deadline: float) -> psycopg.Connection[Any]:
-        count(self.rows.prefix + "listen")
         self.conn, self._close = open_listening(self.source, self.channel, deadline)
         self.healthy = True
         return self.conn
@@ -350,20 +346,32 @@ class _Waiters:
                 if not owners:
                     del self.queues[key]
 
-    def wait_head(self, q: _Queue, ticket: threading.Condition, deadline: float | None) -> bool:
+    def wait_head(
+        self, q: _Queue, ticket: threading.Condition, deadline: float | None, closed: Closed
+    ) -> bool:
         with self.lock:
             while q.tickets[0] is not ticket:
-                if (left := _remaining(deadline)) == 0:
+                if (left := _remaining(deadline)) == 0 or closed():
                     return False
                 ticket.wait(left)
-            return True
+            return not closed()
 
-    def sleep(self, q: _Queue, ticket: threading.Condition, seen: int, until: float) -> bool:
-        """Sleep until the queue's version moves on from ``seen`` (True) or ``until`` passes."""
+    def sleep(
+        self, q: _Queue, ticket: threading.Condition, seen: int, until: float, closed: Closed
+    ) -> bool:
+        """Sleep until the queue's version moves on from ``seen`` (True), ``until`` passes or
+        the wait is closed."""
         with self.lock:
-            while q.version == seen and (left := until - time.monotonic()) > 0:
+            while q.version == seen and (left := until - time.monotonic()) > 0 and not closed():
                 ticket.wait(left)
             return q.version != seen
+
+    def wake(self, key: Key, owner: object) -> None:
+        """Wake every waiter of one queue (a close(): each asks whether it is closed)."""
+        with self.lock:
+            if (q := self.queues.get(key, {}).get(owner)) is not None:
+                for ticket in q.tickets:
+                    ticket.notify()
 
     def on_notify(self, lkey: Key, name: str) -> None:
         with self.lock:
@@ -458,9 +466,10 @@ def wait(
     rows: Rows, source: Source, schema: str, name: str, owner: object, deadline: float | None,
     attempt: Callable[[float | None], Attempt],
     local_wake: Callable[[Any], float | None] | None = None,
+    closed: Closed = lambda: False,
 ) -> Any:
-    """Wait for a grant of ``name`` until ``deadline`` (monotonic; None: forever): the grant
-    of the first ``attempt`` that gives one, or None.
+    """Wait for a grant of ``name`` until ``deadline`` (monotonic; None: forever) or until
+    ``closed()``: the grant of the first ``attempt`` that gives one, or None.
 
     The waiters of one queue (``owner`` None: the name's, shared) go first in, first out; only
     the head calls ``attempt(seconds left)``. After a refusal it LISTENs for the releases of
@@ -472,11 +481,11 @@ def wait(
     key = (source.key, schema, rows.channel(schema), name)
     q, ticket = _waiters.enqueue(key, owner)
     try:
-        if not _waiters.wait_head(q, ticket, deadline):
+        if not _waiters.wait_head(q, ticket, deadline, closed):
             return None
         listener: _Listener | None = None
         polls = 0
-        while True:
+        while not closed():
             with _waiters.lock:
                 seen, local = q.version, q.holder
             wake_at = None if local_wake is None else local_wake(local)
@@ -496,11 +505,18 @@ def wait(
                 wake_at = poll if wake_at is None else min(wake_at, poll)
             if deadline is not None:
                 wake_at = min(wake_at, deadline)
-            woken = _waiters.sleep(q, ticket, seen, wake_at)
+            woken = _waiters.sleep(q, ticket, seen, wake_at, closed)
             if not woken and deadline is not None and time.monotonic() >= deadline:
                 return None
+        return None
     finally:
         _waiters.dequeue(key, owner, q, ticket)
+
+
+def wake(key: Key | None, owner: object) -> None:
+    """Wake the waiters of the queue ``key`` of ``owner`` now (a close())."""
+    if key is not None:
+        _waiters.wake(key, owner)
 
 
 def _listen(
@@ -716,6 +732,45 @@ class _Keepalive:
                     self.cond.notify()  # the scheduler looks again: due times moved
 
 
+class _Callbacks:
+    """pglock's thread for the user's callbacks (``on_lost``): never the caller's thread,
+    which may hold a lock the callback takes, nor the keepalive's, which must not wait on them.
+    It exits after a while without any."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.queue: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    def call(self, fn: Callable[[], object]) -> None:
+        self.queue.put(fn)
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="pglock-callbacks",
+                                               daemon=True)
+                self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                fn = self.queue.get(timeout=_WORKER_IDLE)
+            except queue.Empty:
+                with self.lock:
+                    if self.queue.empty():
+                        self.thread = None
+                        return
+                continue
+            try:
+                fn()
+            except Exception:
+                logger.exception("a pglock callback raised")
+
+
+def call_soon(fn: Callable[[], object]) -> None:
+    """Run ``fn()`` in pglock's callback thread (its exceptions are logged)."""
+    _callbacks.call(fn)
+
+
 def register(item: Held) -> None:
     """Renew ``item`` from now on, and report its loss at its deadline."""
     _keepalive.register(item)
@@ -736,6 +791,7 @@ def unregister(item: Held, *, notified: bool = False) -> None:
 
 _keepalive = _Keepalive()
 _waiters = _Waiters()
+_callbacks = _Callbacks()
 
 
 def shutdown() -> None:
@@ -756,9 +812,10 @@ atexit.register(shutdown)
 def _after_fork_in_child() -> None:
     # Threads and connections do not survive a fork: the child starts from nothing, and the
     # parent's grants stay the parent's (the child must not renew or release them).
-    global _keepalive, _waiters
+    global _keepalive, _waiters, _callbacks
     _keepalive = _Keepalive()
     _waiters = _Waiters()
+    _callbacks = _Callbacks()
 
 
 if hasattr(os, "register_at_fork"):

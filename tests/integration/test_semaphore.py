@@ -144,20 +144,20 @@ def test_acquire_release_count_and_weights(
     pool: ConnectionPool[Any], schema: str, name: str, conn: psycopg.Connection[Any]
 ) -> None:
     sem = pglock.semaphore(pool, name, 3, schema=schema)
-    assert sem.count == 0  # never used: nothing stored yet
+    assert sem.count() == 0  # never used: nothing stored yet
     with sem:
-        assert sem.count == 1
+        assert sem.count() == 1
         with sem.hold(permits=2, timeout=0) as permit:
-            assert permit.held and permit.permits == 2
-            assert sem.count == 3
+            assert permit.locked and permit.permits == 2
+            assert sem.count() == 3
             assert sorted(p for _, p in permit_rows(conn, schema, name)) == [1, 2]
             assert not sem.acquire(timeout=0)
             with pytest.raises(pglock.LockNotAcquired), sem.hold(timeout=0.2):
                 pass
-        assert sem.count == 1
+        assert sem.count() == 1
         assert sem.acquire(permits=2, timeout=0)
         sem.release()
-    assert sem.count == 0
+    assert sem.count() == 0
     with pytest.raises(RuntimeError):
         sem.release()
     assert permit_rows(conn, schema, name) == []
@@ -285,7 +285,7 @@ def test_statements_replace_a_terminated_connection_once(
         )
     try:
         sem = pglock.semaphore(source, name, 2, schema=schema)
-        assert sem.count == 0  # leaves an idle connection in the source
+        assert sem.count() == 0  # leaves an idle connection in the source
         for op in ("acquire", "release"):
             assert _terminate_others(conn, app_name) >= 1
             caplog.clear()
@@ -313,7 +313,7 @@ def test_lost_permit_is_reported(pool: ConnectionPool[Any], schema: str, name: s
         # finds it gone, and the holder hears of it.
         conn.execute(sql.SQL("DELETE FROM {}.semaphore_permit WHERE semaphore = %s").format(
             sql.Identifier(schema)), (name,))
-        wait_until(lambda: not permit.held, 5, "the keepalive to notice")
+        wait_until(lambda: not permit.locked, 5, "the keepalive to notice")
         with pytest.raises(pglock.LockLost):
             permit.check()
     finally:
@@ -337,6 +337,19 @@ def test_keepalive_keeps_permits_past_their_ttl(pool: ConnectionPool[Any], schem
         assert first is not None and later is not None and later[0] > first[0]
 
 
+def count_attempts(sem: pglock.Semaphore, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The acquire statements ``sem`` sends, counted by a test double over its attempt."""
+    sent = [0]
+    attempt = sem._try
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        sent[0] += 1
+        return attempt(*args, **kwargs)
+
+    monkeypatch.setattr(sem, "_try", counted)
+    return sent
+
+
 # --- waking ------------------------------------------------------------------------------------
 
 
@@ -353,6 +366,7 @@ def test_waiters_wake_on_release_notify_not_a_poll(
     monkeypatch.setattr(_ttl, "FALLBACK_POLL", (60.0, 60.0))
     holder_side = pglock.semaphore(pool, name, 1, schema=schema)
     waiter_side = pglock.semaphore(pool, name, 1, schema=schema)  # another object: no local poke
+    attempts = count_attempts(waiter_side, monkeypatch)
     results: list[bool] = []
 
     def waiter() -> None:
@@ -362,25 +376,25 @@ def test_waiters_wake_on_release_notify_not_a_poll(
     with holder_side:
         t = threading.Thread(target=waiter)
         t.start()
-        wait_until(lambda: waiter_side._attempts == 2, 5, "the waiter's refused attempts")
+        wait_until(lambda: attempts[0] == 2, 5, "the waiter's refused attempts")
         time.sleep(0.3)
-        assert waiter_side._attempts == 2  # it sleeps, it does not poll
+        assert attempts[0] == 2  # it sleeps, it does not poll
     t.join(10)
     assert not t.is_alive() and results == [True]
-    assert waiter_side._attempts == 3
+    assert attempts[0] == 3
 
     # Negative control: permits freed behind pglock's back (no NOTIFY) do not wake it.
     holder_side.acquire()
     t = threading.Thread(target=waiter)
     t.start()
-    wait_until(lambda: waiter_side._attempts == 5, 5, "the waiter's refused attempts")
+    wait_until(lambda: attempts[0] == 5, 5, "the waiter's refused attempts")
     conn.execute(sql.SQL("DELETE FROM {}.semaphore_permit WHERE semaphore = %s").format(
         sql.Identifier(schema)), (name,))
     time.sleep(0.5)
-    assert waiter_side._attempts == 5 and results == [True]
+    assert attempts[0] == 5 and results == [True]
     waiter_side._poke()  # what a local release would do: it tries, and gets it
     t.join(10)
-    assert results == [True, True] and waiter_side._attempts == 6
+    assert results == [True, True] and attempts[0] == 6
     with pytest.raises(pglock.LockLost):
         holder_side.release()  # its row was deleted by hand
 
@@ -560,7 +574,7 @@ def test_killed_holder_gives_its_permits_back(
         sem = pglock.semaphore(pool, name, 3, schema=schema)
         # Alive past its TTL: the keepalive renews its 2 permits.
         time.sleep(1.5)
-        assert sem.count == 2
+        assert sem.count() == 2
         assert not sem.acquire(permits=2, timeout=0)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -612,7 +626,7 @@ def test_a_permit_granted_past_its_client_deadline_is_given_back(
 
     def take() -> None:
         with sem.hold(timeout=30) as permit:
-            result["held"] = permit.held  # at once, as the caller's body would start
+            result["held"] = permit.locked  # at once, as the caller's body would start
             result["holder"] = permit.holder
             permit.check()
             result["rows"] = [r[0] for r in permit_rows(conn_b, schema, name)]
