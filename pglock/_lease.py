@@ -1,50 +1,41 @@
-"""TTL leases: ``Lease`` (a row per name in the pglock schema, with a fencing token), its
-argument checks, and ``lease_info``/``list_leases``.
-
-The database decides: ``<schema>.acquire(...)`` grants, renews or refuses in one statement, on
-``clock_timestamp()``. The shared TTL-row client (``_ttl.py``) sends the statements, waits and
-renews; this module holds the lease's hooks (its attempt, the batch renewal, the release),
-``guard()`` and the one-handle-per-holder-id rule. docs/how-it-works.md has the design.
-"""
+"""TTL leases: :class:`Lease` (a row per name in the pglock schema, with a fencing token) and
+its factory :func:`lease`. The design is in docs/how-it-works.md, "Leases and semaphores"."""
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import math
-import os
 import random
-import socket
 import threading
 import time
-import uuid
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime
 from enum import Enum
-from functools import lru_cache
-from typing import Any, NamedTuple
+from typing import Any
 
-import psycopg
-from psycopg import sql
-from psycopg.pq import TransactionStatus
-
-from . import _base, _conn, _sql, _ttl
-from ._classify import HELD, SOURCES, classify
+from . import _base, _claims, _ttl
+from ._claims import default_holder
 from ._deadline import NoAnswer
 from ._keys import validate_flag, validate_name, validate_timeout
-from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
-from ._source import (
-    ANSWER_GRACE,
-    SHORT_DEADLINE,
-    WAIT_CHUNK,
-    Source,
-    short_deadline,
+from ._lease_rows import (
+    LEASES,
+    Due,
+    Grant,
+    LeaseInfo,
+    Released,
+    Renewal,
+    fence,
+    lease_info,
+    list_leases,
+    make_source,
+    renew_many,
+    run_once_more,
 )
-from ._source import make_source as _make_source
+from ._lease_rows import run as _run
+from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
+from ._source import ANSWER_GRACE, WAIT_CHUNK, short_deadline
 from ._validate import (
     MAX_HOLDER_BYTES,
     MAX_METADATA_BYTES,
@@ -53,12 +44,7 @@ from ._validate import (
     validate_holder,
     validate_ttl,
 )
-from .errors import (
-    HolderInUse,
-    InvalidConnectionState,
-    LockLost,
-    LockNotAcquired,
-)
+from .errors import HolderInUse, LockLost, LockNotAcquired
 
 logger = logging.getLogger("pglock.lease")
 
@@ -79,174 +65,11 @@ class State(Enum):
 _NEW, _HELD, _LOST, _RELEASED = State.NEW, State.HELD, State.LOST, State.RELEASED
 
 
-class Grant(NamedTuple):
-    """An acquire's row, with when it was sent and answered (``time.monotonic()``)."""
-
-    granted: bool
-    holder: str | None
-    token: int | None
-    acquired_at: datetime | None
-    expires_at: datetime | None
-    server_time: datetime | None
-    sent: float
-    received: float
-
-
-class Renewal(NamedTuple):
-    """An ``extend`` row."""
-
-    token: int
-    acquired_at: datetime
-    expires_at: datetime
-    metadata: Any
-
-
-class Renewed(NamedTuple):
-    """An ``extend_many`` row: a lease renewed."""
-
-    name: str
-    token: int
-    expires_at: datetime
-
-
-class Released(NamedTuple):
-    """A ``release`` row: ``released``, ``expired`` or ``not_held``, and whether it notified
-    waiters."""
-
-    status: str
-    notified: bool
-
-#: Leases, to the shared TTL-row client.
-LEASES = _ttl.Rows("lease", lease_channel)
-
-
-
-# --- validation --------------------------------------------------------------------------------
-
-
-_holder_prefix: tuple[int, str] | None = None
-_holder_count = itertools.count(1)
-
-
-def default_holder() -> str:
-    """A holder id unique to one :class:`Lease`: ``<host>:<pid>:<random hex>-<n>`` (the random
-    part is drawn once per process, the counter makes each handle's id its own)."""
-    global _holder_prefix
-    pid = os.getpid()
-    if _holder_prefix is None or _holder_prefix[0] != pid:
-        _holder_prefix = (pid, f"{socket.gethostname()[:64]}:{pid}:{uuid.uuid4().hex[:16]}")
-    return f"{_holder_prefix[1]}-{next(_holder_count)}"
-
-
-# --- compiled statements (rendered once per schema; psycopg caches their parsing) ------------
-
-
-@lru_cache(maxsize=64)
-def _stmt(kind: str, schema: str) -> bytes:
-    factory: Callable[[str], sql.Composed] = getattr(_sql, f"lease_{kind}")
-    return factory(schema).as_bytes(None)
-
-
-# --- sources -----------------------------------------------------------------------------------
-
-
-def _run(
-    source: Source,
-    kind: str,
-    schema: str,
-    params: tuple[Any, ...],
-    timeout: float | None = None,
-    deadline: float | None = None,
-) -> list[tuple[Any, ...]]:
-    """Send one lease statement and return its rows (see :func:`_run_once_more`)."""
-    return _run_once_more(source, kind, schema, params, timeout, deadline)[0]
-
-
-def _run_once_more(
-    source: Source,
-    kind: str,
-    schema: str,
-    params: tuple[Any, ...],
-    timeout: float | None = None,
-    deadline: float | None = None,
-) -> tuple[list[tuple[Any, ...]], bool]:
-    """Send one lease statement; return its rows and whether it was sent a second time
-    (:func:`_ttl.run`, which says what ``timeout`` and ``deadline`` are).
-
-    That is safe: every lease statement is idempotent per holder (an acquire by the same
-    holder re-enters keeping the token; extend and release name the holder and the token), so
-    a first attempt that did commit before its connection died changes nothing but the answer
-    of a release.
-    """
-    return _ttl.run(
-        LEASES, source, kind, schema, _stmt(kind, schema), params,
-        binary=kind == "extend_many", timeout=timeout, deadline=deadline,
-    )
-
-
-def make_source(source: object) -> Source:
-    """Resolve a lease source without sending any SQL.
-
-    :raises TypeError: not a supported source.
-    :raises ValueError: an empty or unparsable DSN string.
-    """
-    return _make_source(source, "lease")
-
-
-# --- one live handle per holder id ---------------------------------------------------------------
-
-
-#: The handle of each (database, schema, name, holder id) that is acquiring, holding or
-#: releasing it in this process (see :meth:`Lease._claim`).
-_claims: dict[tuple[Any, ...], weakref.ref[Lease]] = {}
-_claims_lock = threading.Lock()
-#: Prune the claims of collected handles (a lost lease dropped without a release) when there
-#: are more than this many; it doubles with the live ones.
-_claims_prune_at = 1024
-
-
-def _prune_claims() -> None:
-    """With ``_claims_lock`` held: forget the claims of handles that were collected."""
-    global _claims_prune_at
-    if len(_claims) <= _claims_prune_at:
-        return
-    for key in [k for k, ref in _claims.items() if ref() is None]:
-        del _claims[key]
-    _claims_prune_at = max(1024, 2 * len(_claims))
-
-
-def _after_fork_in_child() -> None:
-    # The parent's leases stay the parent's (the child must not renew or release them).
-    global _claims_lock
-    _claims.clear()
-    _claims_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 #: Close what pglock opened for leases and semaphores (:func:`_ttl.shutdown`).
 shutdown = _ttl.shutdown
 
 
 # --- the public API ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LeaseInfo:
-    """A live lease as the database sees it (from :func:`lease_info`, :func:`list_leases`).
-
-    :ivar expires_in: seconds left at the time of the query, on the database clock.
-    """
-
-    name: str
-    holder: str
-    token: int
-    acquired_at: datetime
-    expires_at: datetime
-    metadata: Any
-    expires_in: float
 
 
 class Lease(_base.BaseLock, _ttl.Held):
@@ -256,16 +79,10 @@ class Lease(_base.BaseLock, _ttl.Held):
     properties are safe from any thread; ``acquire``/``release``/``extend`` are serialized).
     pglock's keepalive renews it in the background.
 
-    One holder id, one handle: in a process, at most one handle of a holder id may be
-    acquiring, holding or releasing a lease (same database, schema and name). A second handle
-    with the same holder id is **refused** with :class:`pglock.errors.HolderInUse` before any
-    SQL, not shared by counted re-entry: the server re-enters a holder id, so two handles
-    would both be "granted" and the release of one would end the lease under the other. A
-    handle whose lease was lost does not count (the new handle supersedes it: its release
-    sends nothing). ``resume=True`` takes a live lease over from the first handle, which then
-    reports it lost (``on_lost``) and releases nothing. The database is told apart by host,
-    port and database name as written in the source (``localhost`` and ``127.0.0.1`` count as
-    two databases).
+    One holder id, one handle: in a process, a second handle of a holder id on a lease (same
+    database, schema and name) is refused with :class:`pglock.errors.HolderInUse` before any
+    SQL, unless the first one's lease was lost; ``resume=True`` takes a live lease over from
+    the first handle, which then reports it lost (docs/leases.md, "Taking a lease").
 
     ``acquire(blocking=True, timeout=<the lease's timeout>) -> bool`` follows the lock
     contract (docs/locks.md). It returns True only for a grant whose answer arrived before the
@@ -420,7 +237,7 @@ class Lease(_base.BaseLock, _ttl.Held):
 
     def _acquire_now(self, timeout: float | None, closed: _ttl.Closed) -> bool:
         self._forget_lost()
-        self._claim()
+        _claims.claim(self, resume=self._resume, in_use=self._in_use)
         granted = False
         try:
             self._why_not = None
@@ -433,7 +250,7 @@ class Lease(_base.BaseLock, _ttl.Held):
             return granted
         finally:
             if not granted:
-                self._unclaim()
+                _claims.unclaim(self)
 
     def _forget_lost(self) -> None:
         """Refuse a second acquire of a held handle; a lost one may be taken again."""
@@ -464,42 +281,23 @@ class Lease(_base.BaseLock, _ttl.Held):
     def _wake(self) -> None:
         _ttl.wake(self._qkey, None)
 
-    # -- one live handle per holder id -------------------------------------------------------
+    def _send(
+        self, kind: str, *params: Any, timeout: float | None = None, deadline: float | None = None
+    ) -> list[tuple[Any, ...]]:
+        """One statement of this lease: (name, holder, *params); a statement that waits for
+        nothing is cut off at :func:`short_deadline`."""
+        deadline = short_deadline(self._ttl) if deadline is None else deadline
+        args = (self._name, self._holder, *params)
+        return _run(self._source, kind, self._schema, args, timeout=timeout, deadline=deadline)
 
-    def _claim(self) -> None:
-        """Make this handle the one of its holder id on this lease in the process, before any
-        SQL; raise :class:`HolderInUse` if another handle is acquiring, holding (live) or
-        releasing it. A lost handle is superseded (its release sends nothing); so is a live
-        one when this handle resumes (it is then lost)."""
-        superseded: Lease | None = None
-        with _claims_lock:
-            other_ref = _claims.get(self._claim_key)
-            other = None if other_ref is None else other_ref()
-            if other is not None and other is not self:
-                with other._lock:
-                    live = other._state is not _LOST and not (
-                        other._state is _HELD and time.monotonic() >= other._deadline
-                    )
-                    if live and not (self._resume and other._state is _HELD):
-                        raise HolderInUse(
-                            self._name, holder=self._holder, schema=self._schema
-                        )
-                    other._superseded = True
-                superseded = other if live else None
-            _claims[self._claim_key] = weakref.ref(self)
-            _prune_claims()
-            with self._lock:
-                self._superseded = False
-        if superseded is not None:
-            superseded._lose(
-                "another handle of this process resumed it with the same holder id"
-            )
+    def _in_use(self) -> HolderInUse:
+        return HolderInUse(self._name, holder=self._holder, schema=self._schema)
 
-    def _unclaim(self) -> None:
-        with _claims_lock:
-            ref = _claims.get(self._claim_key)
-            if ref is not None and ref() is self:
-                del _claims[self._claim_key]
+    def _claim_state(self) -> tuple[bool, bool]:
+        live = self._state is not _LOST and not (
+            self._state is _HELD and time.monotonic() >= self._deadline
+        )
+        return live, self._state is _HELD
 
     # -- acquiring ---------------------------------------------------------------------------
 
@@ -510,13 +308,9 @@ class Lease(_base.BaseLock, _ttl.Held):
         wait = WAIT_CHUNK if wait is None else min(wait, WAIT_CHUNK)
         sent = time.monotonic()
         try:
-            rows = _run(
-                self._source,
-                "acquire",
-                self._schema,
-                (self._name, self._holder, self._ttl, self._metadata_json, wait, self._durable),
-                timeout=wait or None,
-                deadline=sent + wait + ANSWER_GRACE,
+            rows = self._send(
+                "acquire", self._ttl, self._metadata_json, wait, self._durable,
+                timeout=wait or None, deadline=sent + wait + ANSWER_GRACE,
             )
         except NoAnswer as exc:
             self._why_not = (
@@ -568,13 +362,7 @@ class Lease(_base.BaseLock, _ttl.Held):
         )
         logger.info("lease %r: %s", self._name, self._why_not)
         try:
-            _run(
-                self._source,
-                "release",
-                self._schema,
-                (self._name, self._holder, token),
-                deadline=short_deadline(self._ttl),
-            )
+            self._send("release", token)
         except Exception as exc:
             logger.info(
                 "giving back the late grant of lease %r failed (it expires at its TTL): %r",
@@ -621,13 +409,7 @@ class Lease(_base.BaseLock, _ttl.Held):
     def _do_resume(self) -> bool:
         sent = time.monotonic()
         try:
-            rows = _run(
-                self._source,
-                "extend",
-                self._schema,
-                (self._name, self._holder, None, self._ttl, self._durable),
-                deadline=short_deadline(self._ttl),
-            )
+            rows = self._send("extend", None, self._ttl, self._durable)
         except NoAnswer as exc:
             self._why_not = "the database gave no answer to the resume in time"
             logger.warning("resuming lease %r: %s: %s", self._name, self._why_not, exc)
@@ -665,7 +447,7 @@ class Lease(_base.BaseLock, _ttl.Held):
             its TTL).
         """
         with self._op:
-            with _claims_lock, self._lock:
+            with _claims.lock, self._lock:
                 if self._state not in (_HELD, _LOST):
                     raise RuntimeError(f"release of a lease that is not held: {self._name!r}")
                 was_lost, reason = self._state is _LOST, self._lost_reason
@@ -680,7 +462,7 @@ class Lease(_base.BaseLock, _ttl.Held):
                     reason=reason or "another handle of this process took it over",
                 )
             try:
-                rows, again = _run_once_more(
+                rows, again = run_once_more(
                     self._source, "release", self._schema, (self._name, self._holder, token),
                     deadline=short_deadline(self._ttl),
                 )
@@ -692,7 +474,7 @@ class Lease(_base.BaseLock, _ttl.Held):
                 )
                 raise
             finally:
-                self._unclaim()
+                _claims.unclaim(self)
             status, notified = Released._make(rows[0])
             _ttl.unregister(self, notified=bool(notified))
             if status == "released":
@@ -740,12 +522,8 @@ class Lease(_base.BaseLock, _ttl.Held):
             sent = time.monotonic()
             try:
                 # An answer after the current deadline could not bring the lease back.
-                rows = _run(
-                    self._source,
-                    "extend",
-                    self._schema,
-                    (self._name, self._holder, token, new_ttl, self._durable),
-                    deadline=max(deadline, sent + 0.05),
+                rows = self._send(
+                    "extend", token, new_ttl, self._durable, deadline=max(deadline, sent + 0.05)
                 )
             except NoAnswer:
                 self._lose("extend got no answer before the lease's client deadline", gen=gen)
@@ -781,35 +559,9 @@ class Lease(_base.BaseLock, _ttl.Held):
                 conn.execute("UPDATE accounts SET ... WHERE id = 1")
         """
         self._ensure_valid()
-        target = _conn.resolve(conn, "Lease.guard")
-        pg = target.conn
-        status = _conn.check_usable(pg)
-        if status == TransactionStatus.IDLE and pg.autocommit:
-            raise InvalidConnectionState(
-                "guard() needs the caller's open transaction: this connection is in autocommit "
-                "mode, so the row lock would end at once; use 'with conn.transaction():'"
-            )
-        _conn.ensure_sqlalchemy_transaction(target)
         with self._lock:
             token, gen = self._token, self._gen
-        try:
-            found = _conn.fetch(pg, _stmt("guard", self._schema), (self._name, self._holder, token))
-            row = found[0][0] if found[0] else None
-        except psycopg.Error as exc:
-            translated = _ttl.translate(exc, pg, self._schema)
-            if translated is None:
-                raise
-            raise translated from exc
-        if not (row and row[0]):
-            # Ask the lease's own source before declaring a loss: a connection to another
-            # database (with its own pglock schema) would not see this lease at all.
-            rows = _run(
-                self._source, "info", self._schema, (self._name,),
-                deadline=short_deadline(self._ttl),
-            )
-            info = _info(rows[0]) if rows else None
-            if info is not None and (info.holder, info.token) == (self._holder, token):
-                raise InvalidConnectionState(_unseen(pg, self._name))
+        if not fence(conn, self._source, self._schema, self._name, self._holder, token, self._ttl):
             self._lose("guard found it no longer held (expired or taken over)", gen=gen)
             self._ensure_valid()
             raise LockLost(self._name, reason="guard found it no longer held")
@@ -832,11 +584,12 @@ class Lease(_base.BaseLock, _ttl.Held):
     def _live(self) -> bool:
         return self._state is _HELD
 
-    def _snapshot(self) -> tuple[Lease, str, str, int, float, int] | None:
+    def _due(self) -> Due | None:
         with self._lock:
             if self._state is not _HELD or self._token is None:
                 return None
-            return (self, self._name, self._holder, self._token, self._ttl, self._gen)
+            return Due(self._name, self._holder, self._token, self._ttl, self._gen,
+                       self._deadline, self._durable)
 
     def _renewed(
         self, gen: int, sent: float, ttl: float, expires_at: datetime, received: float
@@ -862,40 +615,27 @@ class Lease(_base.BaseLock, _ttl.Held):
     @classmethod
     def _renew_batch(cls, leases: list[Lease]) -> None:
         """One ``extend_many`` for the due leases of a (source, schema)."""
-        source, schema = leases[0]._source, leases[0]._schema
-        snaps = [snap for snap in map(Lease._snapshot, leases) if snap is not None]
-        if not snaps:
+        held = [(lease, due) for lease in leases if (due := lease._due()) is not None]
+        if not held:
             return
-        names = [s[1] for s in snaps]
-        holders = [s[2] for s in snaps]
-        tokens = [s[3] for s in snaps]
-        ttls = [s[4] for s in snaps]
-        durable = any(s[0]._durable for s in snaps)
         sent = time.monotonic()
-        # Waiting longer than the earliest deadline would only hide a loss; an answer after it
-        # is cut off (a silent network must not hold the worker past it).
-        wait = max(0.05, min(s[0]._deadline for s in snaps) - sent)
         try:
-            rows = _run(
-                source, "extend_many", schema, (names, holders, tokens, ttls, durable, wait),
-                timeout=wait, deadline=sent + wait,
-            )
+            renewed = renew_many(leases[0]._source, leases[0]._schema, [d for _, d in held], sent)
         except Exception as exc:
-            logger.info("renewing %d lease(s) failed, retrying: %r", len(snaps), exc)
-            for lease, *_ in snaps:
+            logger.info("renewing %d lease(s) failed, retrying: %r", len(held), exc)
+            for lease, _ in held:
                 lease._renew_failed(sent)
             return
         received = time.monotonic()
-        renewed = {(r.name, r.token): r.expires_at for r in map(Renewed._make, rows)}
-        for lease, name, _holder, token, ttl, gen in snaps:
-            expires_at = renewed.get((name, token))
+        for lease, due in held:
+            expires_at = renewed.get((due.name, due.token))
             if expires_at is not None:
-                lease._renewed(gen, sent, ttl, expires_at, received)
+                lease._renewed(due.gen, sent, due.ttl, expires_at, received)
             else:
                 lease._lose(
                     "the renewal found it no longer held (expired, taken over, or released "
                     "elsewhere)",
-                    gen=gen,
+                    gen=due.gen,
                 )
 
     def _lose(self, reason: str, gen: int | None = None) -> None:
@@ -918,22 +658,6 @@ class Lease(_base.BaseLock, _ttl.Held):
             on_lost(self)
         except Exception:
             logger.exception("the on_lost callback of lease %r raised", self._name)
-
-
-def _unseen(pg: psycopg.Connection[Any], name: str) -> str:
-    """Why a connection does not see a lease that is held: a snapshot taken before the grant
-    (REPEATABLE READ, SERIALIZABLE), or another database."""
-    isolation = _conn.fetch(pg, _sql.TRANSACTION_ISOLATION)[0][0][0]
-    if isolation in ("repeatable read", "serializable"):
-        return (
-            f"guard(): this {isolation} transaction does not see lease {name!r}, which is still "
-            "held: the transaction's snapshot is older than the grant; start the transaction "
-            "after acquiring"
-        )
-    return (
-        f"guard(): this connection does not see lease {name!r}, which is still held: is it "
-        "connected to the lease's database?"
-    )
 
 
 def lease(
@@ -995,78 +719,6 @@ def lease(
         durable=durable,
         schema=schema,
     )
-
-
-# --- introspection -----------------------------------------------------------------------------
-
-
-def _query(
-    target: object, kind: str, schema: str, params: tuple[Any, ...]
-) -> list[tuple[Any, ...]]:
-    """Run a read-only lease query on a source (pool, engine, DSN) or a caller's connection."""
-    api = "lease_info" if kind == "info" else "list_leases"
-    if classify(target, HELD | SOURCES, api=api) not in HELD:
-        deadline = time.monotonic() + SHORT_DEADLINE[1]
-        return _run(make_source(target), kind, schema, params, deadline=deadline)
-    resolved = _conn.resolve(target, api)
-    pg = resolved.conn
-    status = _conn.check_usable(pg)
-    own = status == TransactionStatus.IDLE and not pg.autocommit
-    try:
-        rows = _conn.fetch(pg, _stmt(kind, schema), params)[0]
-    except psycopg.Error as exc:
-        if own and not pg.broken:
-            pg.rollback()
-        translated = _ttl.translate(exc, pg, schema)
-        if translated is None:
-            raise
-        raise translated from exc
-    if own:
-        pg.commit()  # leave an idle connection idle
-    return rows
-
-
-def _info(row: tuple[Any, ...]) -> LeaseInfo:
-    name, holder, token, acquired_at, expires_at, metadata, expires_in = row
-    return LeaseInfo(name, holder, token, acquired_at, expires_at, metadata, float(expires_in))
-
-
-def lease_info(conn: object, name: str, *, schema: str = DEFAULT_SCHEMA) -> LeaseInfo | None:
-    """The live lease on ``name``, or None when nobody holds it (free or expired).
-
-    :param conn: a psycopg ``Connection`` or SQLAlchemy ``Connection``/``Session`` (read in its
-        transaction if one is open; an idle connection is left idle), or a lease source (pool,
-        engine, DSN).
-    :raises pglock.SchemaNotInstalled: the database has no lease schema.
-
-    Example::
-
-        info = pglock.lease_info(conn, "job:123")
-        if info is not None:
-            print(info.holder, info.token, info.expires_in)
-    """
-    validate_name(name)
-    schema = validate_schema(schema)
-    rows = _query(conn, "info", schema, (name,))
-    return _info(rows[0]) if rows else None
-
-
-def list_leases(
-    conn: object, *, prefix: str | None = None, schema: str = DEFAULT_SCHEMA
-) -> list[LeaseInfo]:
-    """Every live lease (name, holder, token, acquired_at, expires_at, metadata, expires_in),
-    sorted by name; only names starting with ``prefix`` if given.
-
-    :param conn: as for :func:`lease_info`.
-    :raises pglock.SchemaNotInstalled: the database has no lease schema.
-    """
-    if prefix is not None:
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a str or None, not {type(prefix).__name__}")
-        if "\x00" in prefix:
-            raise ValueError("prefix must not contain NUL (\\x00) characters")
-    schema = validate_schema(schema)
-    return [_info(r) for r in _query(conn, "list", schema, (prefix,))]
 
 
 __all__ = [

@@ -1,10 +1,5 @@
-"""Semaphores: at most ``limit`` permits held at once across every process, weighted, with a
-limit stored in the database and permits that come back when their holder dies.
-
-The database decides (``<schema>.semaphore_acquire(...)``, revision ``pglock_0002``); this
-module holds the hooks of the shared TTL-row client (``_ttl.py``): the attempt, the renewal of
-a batch of permits, the release. docs/how-it-works.md has the design.
-"""
+"""Semaphores: :class:`Semaphore` (at most ``limit`` weighted permits held at once across
+every process, a row per permit), its :class:`Permit` and the factory :func:`semaphore`."""
 
 from __future__ import annotations
 
@@ -16,13 +11,13 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
 from psycopg import sql
 
-from . import _base, _conn, _sql, _ttl
+from . import _base, _conn, _sql, _ttl, _waiting
 from ._deadline import NoAnswer
 from ._keys import DEFAULT, validate_name, validate_timeout
 from ._schema import DEFAULT_SCHEMA, validate_schema
@@ -107,16 +102,10 @@ def _run(
     deadline: float | None,
     timeout: float | None = None,
 ) -> tuple[list[tuple[Any, ...]], bool]:
-    """Send one semaphore statement batch (one round trip, its own transaction: see
-    :func:`_ttl.run`); return the rows of its last row-returning statement and whether it was
-    sent a second time, on a new connection, because its connection died under it.
-
-    Extend and info are safe to send again, and so is a release (its answer aside: the caller
-    says so). An acquire names a holder of its own: a first attempt that committed a grant
-    before its connection died makes the second one fail on the permit's primary key, and the
-    unrenewed permit comes back after its TTL, as it would without the second attempt.
-    Postgres errors that mean something for a lock become pglock errors as for advisory locks
-    (:func:`_conn.translate`).
+    """Send one semaphore statement batch (:func:`_ttl.run`): its rows, and whether it was
+    sent a second time because its connection died. That is safe: extend, info and release
+    (its answer aside) are idempotent, and an acquire's holder id is its own, so a committed
+    first attempt makes the second fail on the primary key (that permit expires at its TTL).
     """
     try:
         return _ttl.run(SEMAPHORES, source, kind, schema, stmt, timeout=timeout, deadline=deadline)
@@ -246,30 +235,6 @@ class Permit(_ttl.Held):
                 self._retry_at = None
                 return
         self._lose(reason)
-
-
-class _Hold:
-    """``sem.hold(permits, timeout)``: acquires at ``with`` and yields the :class:`Permit`."""
-
-    def __init__(self, sem: Semaphore, permits: int, timeout: float | None) -> None:
-        self._sem = sem
-        self._permits = permits
-        self._timeout = timeout
-        self._permit: Permit | None = None
-
-    def __enter__(self) -> Permit:
-        if self._permit is not None:
-            raise RuntimeError("this hold() is already in use; create one per with-block")
-        permit = self._sem._take(self._permits, self._timeout)
-        if permit is None:
-            raise _not_acquired(self._sem.name, self._permits, self._timeout)
-        self._permit = permit
-        return permit
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        permit, self._permit = self._permit, None
-        if permit is not None:
-            permit.__exit__(exc_type, exc, tb)
 
 
 def _not_acquired(name: str, permits: int, timeout: float | None) -> LockNotAcquired:
@@ -411,7 +376,7 @@ class Semaphore(_base.BaseLock):
         src = self._source
         if src is None:
             return
-        _ttl._waiters.retire(self._wait_key(src)[:3])
+        _waiting.waiters.retire(self._wait_key(src)[:3])
         if isinstance(src, DsnSource):
             src.close()
 
@@ -478,13 +443,23 @@ class Semaphore(_base.BaseLock):
                 del self._by_thread[me]
         permit.release()
 
-    def hold(self, permits: int = 1, timeout: float | None = None) -> _Hold:
+    def hold(
+        self, permits: int = 1, timeout: float | None = None
+    ) -> contextlib.AbstractContextManager[Permit]:
         """``with sem.hold(permits=k, timeout=t) as permit:`` takes ``k`` permits for the block.
 
         :raises pglock.LockNotAcquired: not taken within ``timeout`` (at ``with``), or
             close() ran meanwhile.
         """
-        return _Hold(self, _count_arg(permits, "permits"), validate_timeout(timeout))
+        return self._holding(_count_arg(permits, "permits"), validate_timeout(timeout))
+
+    @contextlib.contextmanager
+    def _holding(self, permits: int, timeout: float | None) -> Iterator[Permit]:
+        permit = self._take(permits, timeout)
+        if permit is None:
+            raise _not_acquired(self._name, permits, timeout)
+        with permit:
+            yield permit
 
     # -- acquiring ------------------------------------------------------------------------
 
@@ -590,7 +565,7 @@ class Semaphore(_base.BaseLock):
         """Wake this object's first waiter (a local release: it tries at once)."""
         src = self._source
         if src is not None:
-            _ttl._waiters.poke(self._wait_key(src), self)
+            _waiting.waiters.poke(self._wait_key(src), self)
 
     # -- releasing ------------------------------------------------------------------------
 

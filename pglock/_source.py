@@ -1,17 +1,6 @@
-"""Where leases and semaphores run their statements: connection sources.
-
-A lease or a semaphore never runs in the caller's transaction (a grant made there would be
-invisible to others until commit, and gone on rollback). Its statements run each on a
-connection of its own, checked out of the caller's ``psycopg_pool.ConnectionPool`` or
-SQLAlchemy ``Engine``, or of a few autocommit connections pglock keeps per DSN string
-(:func:`make_source`). A statement whose connection dies under it is sent once more on a live
-connection (:meth:`Source.run_once_more`); its NOTIFY listeners open connections of their own
-(:func:`open_listening`). What the statements are, and how a failure reads, stays with the
-TTL-row client (``_ttl.py``) and its kinds (``_lease.py``, ``_semaphore.py``).
-
-**Deadlines.** Every statement carries a client-side deadline (:mod:`pglock._deadline`
-cuts it off when it passes); the policy for lease and semaphore statements is below.
-"""
+"""Connection sources: where lease and semaphore statements run, each on a connection of its
+own (a pool's, an Engine's, or a few kept per DSN string), never in the caller's transaction,
+and the deadlines they run under (docs/how-it-works.md, "Leases and semaphores")."""
 
 from __future__ import annotations
 

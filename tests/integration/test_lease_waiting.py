@@ -25,7 +25,7 @@ from psycopg_pool import ConnectionPool
 from test_lease_support import lease_database, row_of, wait_until, with_app
 
 import pglock
-from pglock import _lease, _ttl
+from pglock import _lease, _waiting
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -238,7 +238,7 @@ def test_statements_per_handoff_with_50_waiters(
 
 
 def _mgr_tickets(pool: ConnectionPool[Any], name: str) -> list[Any]:
-    waiters = _ttl._waiters
+    waiters = _waiting.waiters
     q = waiters.queues.get((("pool", id(pool)), "pglock", "pglock_lease", name), {}).get(None)
     return list(q.tickets) if q is not None else []
 

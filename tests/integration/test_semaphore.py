@@ -27,7 +27,7 @@ from psycopg.conninfo import make_conninfo
 from psycopg_pool import ConnectionPool
 
 import pglock
-from pglock import _semaphore, _source, _ttl
+from pglock import _semaphore, _source, _waiting
 from pglock._schema import install
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -250,7 +250,7 @@ def test_locker_and_engine_sources(
             # A waiter through the engine LISTENs on a connection of its own.
             assert not via_engine.acquire(timeout=0.1)
             channel = _semaphore.semaphore_channel(schema)
-            listener = _ttl._waiters.listeners[(("engine", id(engine)), schema, channel)]
+            listener = _waiting.waiters.listeners[(("engine", id(engine)), schema, channel)]
             assert listener.healthy
         via_engine.close()
     finally:
@@ -363,7 +363,7 @@ def test_waiters_wake_on_release_notify_not_a_poll(
     A refused waiter subscribes to the NOTIFY channel and tries once more (a release before
     its LISTEN was active would go unheard), then sleeps: two refused attempts, and the
     third, after the release, is granted."""
-    monkeypatch.setattr(_ttl, "FALLBACK_POLL", (60.0, 60.0))
+    monkeypatch.setattr(_waiting, "FALLBACK_POLL", (60.0, 60.0))
     holder_side = pglock.semaphore(pool, name, 1, schema=schema)
     waiter_side = pglock.semaphore(pool, name, 1, schema=schema)  # another object: no local poke
     attempts = count_attempts(waiter_side, monkeypatch)
@@ -411,7 +411,7 @@ def test_waiters_wake_on_release_notify_not_a_poll(
 
 def queue_length(sem: pglock.Semaphore) -> int:
     """How many threads wait in ``sem``'s own queue (the shared client's, owned by ``sem``)."""
-    q = _ttl._waiters.queues.get(sem._wait_key(sem._src()), {}).get(sem)
+    q = _waiting.waiters.queues.get(sem._wait_key(sem._src()), {}).get(sem)
     return len(q.tickets) if q is not None else 0
 
 

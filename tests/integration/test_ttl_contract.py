@@ -12,6 +12,7 @@ import pytest
 from _threads import in_thread
 
 import pglock
+from pglock import _waiting
 
 
 def lease_rows(admin: psycopg.Connection[Any], name: str) -> list[tuple[Any, ...]]:
@@ -130,11 +131,7 @@ def test_semaphore_try_once_asks_while_another_thread_of_the_object_waits(
 
 
 def _queued(sem: Any) -> bool:
-    from pglock import _ttl
-
-    waiters = getattr(_ttl, "_waiters", None) or _ttl._queues()
-    src = sem._src()
-    q = waiters.queues.get(sem._wait_key(src), {}).get(sem)
+    q = _waiting.waiters.queues.get(sem._wait_key(sem._src()), {}).get(sem)
     return q is not None and len(q.tickets) == 1
 
 
