@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import psycopg
@@ -237,6 +237,30 @@ class Permit(_ttl.Held):
         self._lose(reason)
 
 
+class _Hold:
+    """``sem.hold(permits, timeout)``: acquires at ``with`` and yields the :class:`Permit`."""
+
+    def __init__(self, sem: Semaphore, permits: int, timeout: float | None) -> None:
+        self._sem = sem
+        self._permits = permits
+        self._timeout = timeout
+        self._permit: Permit | None = None
+
+    def __enter__(self) -> Permit:
+        if self._permit is not None:
+            raise RuntimeError("this hold() is already in use; create one per with-block")
+        permit = self._sem._take(self._permits, self._timeout)
+        if permit is None:
+            raise _not_acquired(self._sem.name, self._permits, self._timeout)
+        self._permit = permit
+        return permit
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        permit, self._permit = self._permit, None
+        if permit is not None:
+            permit.__exit__(exc_type, exc, tb)
+
+
 def _not_acquired(name: str, permits: int, timeout: float | None) -> LockNotAcquired:
     within = (
         "" if timeout is None else " (all taken)" if timeout == 0 else f" within {timeout:.2f} s"
@@ -443,23 +467,13 @@ class Semaphore(_base.BaseLock):
                 del self._by_thread[me]
         permit.release()
 
-    def hold(
-        self, permits: int = 1, timeout: float | None = None
-    ) -> contextlib.AbstractContextManager[Permit]:
+    def hold(self, permits: int = 1, timeout: float | None = None) -> _Hold:
         """``with sem.hold(permits=k, timeout=t) as permit:`` takes ``k`` permits for the block.
 
         :raises pglock.LockNotAcquired: not taken within ``timeout`` (at ``with``), or
             close() ran meanwhile.
         """
-        return self._holding(_count_arg(permits, "permits"), validate_timeout(timeout))
-
-    @contextlib.contextmanager
-    def _holding(self, permits: int, timeout: float | None) -> Iterator[Permit]:
-        permit = self._take(permits, timeout)
-        if permit is None:
-            raise _not_acquired(self._name, permits, timeout)
-        with permit:
-            yield permit
+        return _Hold(self, _count_arg(permits, "permits"), validate_timeout(timeout))
 
     # -- acquiring ------------------------------------------------------------------------
 
