@@ -208,9 +208,12 @@ class Lease(_base.BaseLock, _ttl.Held):
     def lost(self) -> bool:
         """True when the lease was held and is known lost (or its client deadline passed)."""
         with self._lock:
-            return self._state is _LOST or (
-                self._state is _HELD and time.monotonic() >= self._deadline
-            )
+            return self._lost_now()
+
+    def _lost_now(self) -> bool:
+        return self._state is _LOST or (
+            self._state is _HELD and time.monotonic() >= self._deadline
+        )
 
     def __repr__(self) -> str:
         return f"<pglock.Lease {self._name!r} {self._state.value} token={self._token}>"
@@ -228,8 +231,9 @@ class Lease(_base.BaseLock, _ttl.Held):
         finally:
             waits.leave()
         if granted and waits.closed(gen):
-            # close() ran meanwhile: nobody waits for this grant any more.
-            with contextlib.suppress(LockLost):
+            # close() ran meanwhile: nobody waits for this grant any more (a failed release is
+            # logged; the row then ends at its TTL).
+            with contextlib.suppress(Exception):
                 self.release()
             self._why_not = "close() was called"
             return False
@@ -294,10 +298,7 @@ class Lease(_base.BaseLock, _ttl.Held):
         return HolderInUse(self._name, holder=self._holder, schema=self._schema)
 
     def _claim_state(self) -> tuple[bool, bool]:
-        live = self._state is not _LOST and not (
-            self._state is _HELD and time.monotonic() >= self._deadline
-        )
-        return live, self._state is _HELD
+        return not self._lost_now(), self._state is _HELD
 
     # -- acquiring ---------------------------------------------------------------------------
 
