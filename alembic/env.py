@@ -16,7 +16,7 @@ import psycopg
 import sqlalchemy as sa
 
 from alembic import context
-from pglock._schema import DEFAULT_SCHEMA, validate_schema
+from pglock._contract import DEFAULT_SCHEMA, validate_schema
 from pglock.alembic import migration_lock
 
 config = context.config

@@ -3,17 +3,16 @@
 Revision ID: ${up_revision}
 Revises: ${down_revision | comma,n}
 
-pglock revisions keep their SQL in upgrade_statements()/downgrade_statements() (composed with
-psycopg.sql for a given schema) so that ``pglock install`` can run them without Alembic; take
-the install lock first and keep every statement idempotent.
+SQL: ``pglock/sql/NNNN_name.up.sql`` and ``.down.sql``: take the install lock first, keep every
+statement idempotent, and give every function a versioned name (docs/alembic.md).
 """
 
 from __future__ import annotations
 
 from psycopg import sql
 
-from pglock._schema import install_lock_key
-from pglock.migrations import alembic_execute, alembic_schema
+from pglock._contract import install_lock_key
+from pglock.migrations import alembic_execute, alembic_schema, statements
 
 revision = ${repr(up_revision)}
 down_revision = ${repr(down_revision)}
@@ -21,25 +20,20 @@ branch_labels = ${repr(branch_labels)}
 depends_on = ${repr(depends_on)}
 
 
+def _names(schema: str) -> dict[str, sql.Composable]:
+    return {
+        "s": sql.Identifier(schema),
+        "rev": sql.Literal(revision),
+        "lock": sql.Literal(install_lock_key(schema)),
+    }
+
+
 def upgrade_statements(schema: str) -> list[sql.Composed]:
-    s = sql.Identifier(schema)
-    lock = sql.Literal(install_lock_key(schema))
-    return [
-        sql.SQL("SELECT pg_catalog.pg_advisory_xact_lock({})").format(lock),
-        # ... your statements, e.g. sql.SQL("CREATE TABLE IF NOT EXISTS {}.x (...)").format(s)
-        sql.SQL("INSERT INTO {}.schema_revision (revision) VALUES ({}) ON CONFLICT DO NOTHING")
-        .format(s, sql.Literal(revision)),
-    ]
+    return statements("NNNN_name.up", _names(schema))
 
 
 def downgrade_statements(schema: str) -> list[sql.Composed]:
-    s = sql.Identifier(schema)
-    lock = sql.Literal(install_lock_key(schema))
-    return [
-        sql.SQL("SELECT pg_catalog.pg_advisory_xact_lock({})").format(lock),
-        # ... undo the upgrade
-        sql.SQL("DELETE FROM {}.schema_revision WHERE revision = {}").format(s, sql.Literal(revision)),
-    ]
+    return statements("NNNN_name.down", _names(schema))
 
 
 def upgrade() -> None:

@@ -11,7 +11,8 @@ from ._inspect import AdvisoryLock, SemaphoreHolder, SemaphoreInfo, advisory_loc
 from ._keys import MAX_NAME_BYTES, key
 from ._leader import LeaderElection, leader
 from ._lease import Lease, LeaseInfo, lease, lease_info, list_leases
-from ._pool import Locker, PoolLock, pool_lock, reset_connection
+from ._locker import Locker
+from ._pool import PoolLock, pool_lock, reset_connection
 from ._rwlock import RWLock, rwlock
 from ._semaphore import Permit, Semaphore, semaphore
 from ._singleton import Singleton, singleton

@@ -11,7 +11,7 @@ its conninfo, find the psycopg connection under a SQLAlchemy one) stays with tha
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import psycopg
@@ -38,6 +38,19 @@ SOURCES = frozenset({Kind.POOL, Kind.ENGINE, Kind.DSN})
 SQLALCHEMY = frozenset({Kind.SA_CONNECTION, Kind.SESSION, Kind.ENGINE})
 
 _ORDER = list(Kind)
+
+
+class Deferred:
+    """A pool or engine made at the first use: a DSN ``Locker``'s own pool.
+
+    Lock constructors take it where they take a pool or an engine, and call :attr:`resolve`
+    (which may open the pool) only when a lock first needs a connection: making a lock does no
+    I/O."""
+
+    __slots__ = ("resolve",)
+
+    def __init__(self, resolve: Callable[[], object]) -> None:
+        self.resolve = resolve
 
 
 def describe(obj: object) -> str:

@@ -1,20 +1,6 @@
-"""Introspection: who holds and who waits, by name.
-
-Postgres shows an advisory lock in ``pg_locks`` as two 32-bit numbers. pglock joins
-``pg_locks`` with ``pg_stat_activity`` (who: pid, application, client, query) and with its name
-registry (``<schema>.lock_names`` of the pglock schema only, see :mod:`pglock._registry`) to
-put the lock's name back.
-
-What Postgres does not record is *when* an advisory lock was granted. :class:`AdvisoryLock`
-says what can be derived, and how (:attr:`AdvisoryLock.held_since_basis`):
-
-* ``"statement"``: the session's latest statement is the one that took this key (its text calls
-  an advisory-lock function with the key), so the lock was granted during that statement:
-  ``held_since`` is when it finished (``state_change``; for a statement still running, when it
-  started). This is the usual case for a process that takes a lock and then works elsewhere
-  or waits.
-* ``"session"``: the session ran other statements since; the lock is at most as old as the
-  session (``backend_start``), so ``held_for`` is an upper bound.
+"""Introspection: who holds and who waits for advisory locks (``pg_locks`` joined with
+``pg_stat_activity`` and the name registry, :mod:`pglock._registry`), and the semaphores.
+docs/how-it-works.md ("Who holds a lock, and since when") explains ``held_since``.
 """
 
 from __future__ import annotations
@@ -29,8 +15,8 @@ import psycopg
 
 from . import _conn, _sql
 from ._conn import IDLE
+from ._contract import DEFAULT_SCHEMA, validate_schema
 from ._keys import normalize_names, validate_name
-from ._schema import DEFAULT_SCHEMA, validate_schema
 from .errors import SchemaNotInstalled
 
 __all__ = [
@@ -318,6 +304,8 @@ def semaphores(
         connection is left idle.
     :param schema: the pglock schema (default ``pglock``).
     :raises pglock.SchemaNotInstalled: the database has no semaphore tables in ``schema``.
+    :raises psycopg.errors.InsufficientPrivilege: the role may not read them (USAGE on the
+        schema, SELECT on ``semaphore`` and ``semaphore_permit``).
     :raises TypeError, ValueError: bad arguments, before any SQL.
 
     Example::

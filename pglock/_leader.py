@@ -26,10 +26,11 @@ import collections
 import logging
 import math
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import psycopg
 from psycopg import conninfo as pg_conninfo
@@ -41,6 +42,11 @@ from .errors import LockError, LockLost, LockNotAcquired, UnsupportedServer
 
 if TYPE_CHECKING:
     from typing_extensions import Self
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pragma: no cover - Python 3.10
+    from typing_extensions import Unpack
 
 logger = logging.getLogger("pglock.leader")
 
@@ -587,26 +593,33 @@ class _TermOver(LockError):
     """Internal: the validity window expired while a check was in flight."""
 
 
-def leader(
-    source: object,
-    name: str,
-    *,
-    on_elected: Callable[[], object] | None = None,
-    on_lost: Callable[[], object] | None = None,
-    check_interval: float = 1.0,
-    takeover_delay: float | None = None,
-    network_timeout: float = 5.0,
-) -> LeaderElection:
+class LeaderOptions(TypedDict, total=False):
+    """The options of :func:`leader` and ``Locker.leader`` (one definition for both)."""
+
+    on_elected: Callable[[], object] | None
+    on_lost: Callable[[], object] | None
+    check_interval: float
+    takeover_delay: float | None
+    network_timeout: float
+
+
+def leader(source: object, name: str, **options: Unpack[LeaderOptions]) -> LeaderElection:
     """A candidate in the leader election ``name``; see :class:`LeaderElection`.
 
     :param source: where to connect: a DSN, a ``psycopg_pool.ConnectionPool``, a SQLAlchemy
         ``Engine`` or a psycopg ``Connection`` (its parameters are copied: pglock opens one
         dedicated connection per candidate and never uses a pooled one).
-    :param check_interval: seconds between checks of the leader's session (default 1).
-    :param takeover_delay: seconds a new leader waits after winning before it acts; default
-        the validity window, which keeps the old and new leader's ``is_leader`` apart.
-    :param network_timeout: seconds of silence after which the connection counts as dead
-        (libpq TCP keepalives and ``tcp_user_timeout``; also set on the server side).
+    :param options: keyword-only, the same for ``Locker.leader`` (``LeaderOptions``):
+
+        * ``on_elected``, ``on_lost`` (default None): called when this candidate becomes
+          leader and when it stops being leader (see :class:`LeaderElection`);
+        * ``check_interval`` (default 1): seconds between checks of the leader's session;
+        * ``takeover_delay`` (default: the validity window, which keeps the old and new
+          leader's ``is_leader`` apart): seconds a new leader waits after winning before it
+          acts;
+        * ``network_timeout`` (default 5): seconds of silence after which the connection
+          counts as dead (libpq TCP keepalives and ``tcp_user_timeout``; also set on the
+          server side).
     :raises TypeError, ValueError: bad arguments, before any I/O.
 
     Example::
@@ -617,12 +630,4 @@ def leader(
                     run_scheduled_jobs()
                 time.sleep(1)
     """
-    return LeaderElection(
-        source,
-        name,
-        on_elected=on_elected,
-        on_lost=on_lost,
-        check_interval=check_interval,
-        takeover_delay=takeover_delay,
-        network_timeout=network_timeout,
-    )
+    return LeaderElection(source, name, **options)

@@ -8,15 +8,17 @@ import json
 import logging
 import math
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
 from enum import Enum
-from typing import Any
+from typing import Any, TypedDict
 
 from . import _base, _claims, _ttl
 from ._claims import default_holder
+from ._contract import DEFAULT_SCHEMA, MAX_TTL, lease_channel, validate_schema
 from ._deadline import NoAnswer
 from ._keys import validate_flag, validate_name, validate_timeout
 from ._lease_rows import (
@@ -34,17 +36,20 @@ from ._lease_rows import (
     run_once_more,
 )
 from ._lease_rows import run as _run
-from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
 from ._source import ANSWER_GRACE, WAIT_CHUNK, short_deadline
 from ._validate import (
     MAX_HOLDER_BYTES,
     MAX_METADATA_BYTES,
-    MAX_TTL,
     encode_metadata,
     validate_holder,
     validate_ttl,
 )
 from .errors import HolderInUse, LockLost, LockNotAcquired
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pragma: no cover - Python 3.10
+    from typing_extensions import Unpack
 
 logger = logging.getLogger("pglock.lease")
 
@@ -661,19 +666,21 @@ class Lease(_base.BaseLock, _ttl.Held):
             logger.exception("the on_lost callback of lease %r raised", self._name)
 
 
+class LeaseOptions(TypedDict, total=False):
+    """The options of :func:`lease` and ``Locker.lease`` (one definition for both)."""
+
+    ttl: float
+    timeout: float | None
+    metadata: Any
+    keepalive: bool
+    holder: str | None
+    on_lost: Callable[[Lease], object] | None
+    resume: bool
+    durable: bool
+
+
 def lease(
-    source: object,
-    name: str,
-    *,
-    ttl: float = 30.0,
-    timeout: float | None = None,
-    metadata: Any = None,
-    keepalive: bool = True,
-    holder: str | None = None,
-    on_lost: Callable[[Lease], object] | None = None,
-    resume: bool = False,
-    durable: bool = True,
-    schema: str = DEFAULT_SCHEMA,
+    source: object, name: str, *, schema: str = DEFAULT_SCHEMA, **options: Unpack[LeaseOptions]
 ) -> Lease:
     """A TTL lease on ``name`` with a fencing token, as a context manager.
 
@@ -685,19 +692,26 @@ def lease(
         or a DSN string. Lease statements run on connections of their own from it (for a DSN,
         pglock keeps a few connections open and closes them at exit), never in the caller's
         transaction.
-    :param ttl: seconds the lease lives without renewal (``0 < ttl <= 86400``).
-    :param timeout: ``None`` waits until granted; ``0`` tries once; ``> 0`` waits that long.
-    :param metadata: any JSON value stored with the lease (at most 64 KiB).
-    :param keepalive: renew in pglock's background thread at about ``ttl/3``.
-    :param holder: the holder id (default: ``host:pid:random``, unique per handle). The same
-        holder re-acquiring a live lease keeps its token. In one process, one handle per
-        holder id and lease: a second one's acquire raises :class:`pglock.errors.HolderInUse`.
-    :param on_lost: called as ``on_lost(lease)`` when the lease is lost (in pglock's thread).
-    :param resume: re-attach to a live lease of ``holder`` (after a restart) instead of
-        acquiring; :class:`pglock.LockLost` if there is none.
-    :param durable: False sends grants and renewals with ``synchronous_commit = off`` (faster;
-        a server crash can forget the last grants: see docs/leases.md).
     :param schema: the pglock schema (default ``pglock``).
+    :param options: keyword-only, the same for ``Locker.lease`` (``LeaseOptions``):
+
+        * ``ttl`` (default 30): seconds the lease lives without renewal (``0 < ttl <= 86400``);
+        * ``timeout`` (default None): ``None`` waits until granted; ``0`` tries once; ``> 0``
+          waits that long;
+        * ``metadata`` (default None): any JSON value stored with the lease (at most 64 KiB);
+        * ``keepalive`` (default True): renew in pglock's background thread at about
+          ``ttl/3``;
+        * ``holder`` (default: ``host:pid:random``, unique per handle): the holder id. The same
+          holder re-acquiring a live lease keeps its token. In one process, one handle per
+          holder id and lease: a second one's acquire raises
+          :class:`pglock.errors.HolderInUse`;
+        * ``on_lost`` (default None): called as ``on_lost(lease)`` when the lease is lost (in
+          pglock's thread);
+        * ``resume`` (default False): re-attach to a live lease of ``holder`` (after a restart)
+          instead of acquiring; :class:`pglock.LockLost` if there is none;
+        * ``durable`` (default True): False sends grants and renewals with
+          ``synchronous_commit = off`` (faster; a server crash can forget the last grants: see
+          docs/leases.md).
     :raises TypeError, ValueError: bad arguments, before any SQL.
 
     Example::
@@ -707,19 +721,7 @@ def lease(
                 lease.guard(conn)
                 conn.execute("UPDATE jobs SET state = 'done' WHERE id = 123")
     """
-    return Lease(
-        source,
-        name,
-        ttl=ttl,
-        timeout=timeout,
-        metadata=metadata,
-        keepalive=keepalive,
-        holder=holder,
-        on_lost=on_lost,
-        resume=resume,
-        durable=durable,
-        schema=schema,
-    )
+    return Lease(source, name, schema=schema, **options)
 
 
 __all__ = [

@@ -17,8 +17,8 @@ from psycopg.pq import TransactionStatus
 
 from . import _conn, _sql, _ttl
 from ._classify import HELD, SOURCES, classify
+from ._contract import DEFAULT_SCHEMA, lease_channel, validate_schema
 from ._keys import validate_name
-from ._schema import DEFAULT_SCHEMA, lease_channel, validate_schema
 from ._source import SHORT_DEADLINE, Source, short_deadline
 from ._source import make_source as _make_source
 from .errors import InvalidConnectionState
@@ -94,10 +94,20 @@ class LeaseInfo:
     expires_in: float
 
 
+_STATEMENTS: dict[str, Callable[[str], sql.Composed]] = {
+    "acquire": _sql.lease_acquire,
+    "extend": _sql.lease_extend,
+    "extend_many": _sql.lease_extend_many,
+    "release": _sql.lease_release,
+    "guard": _sql.lease_guard,
+    "info": _sql.lease_info,
+    "list": _sql.lease_list,
+}
+
+
 @lru_cache(maxsize=64)
 def stmt(kind: str, schema: str) -> bytes:
-    factory: Callable[[str], sql.Composed] = getattr(_sql, f"lease_{kind}")
-    return factory(schema).as_bytes(None)
+    return _STATEMENTS[kind](schema).as_bytes(None)
 
 
 def run(

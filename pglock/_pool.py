@@ -1,7 +1,7 @@
-"""Pool-aware locking: ``pool_lock``, the pool reset hook, and ``Locker``.
+"""Pool-aware locking: ``pool_lock`` and the pool reset hook.
 
 A session advisory lock lives on a Postgres session, and a pooled connection outlives the code
-that borrowed it. Three pieces keep a lock from ever going back to a pool with its connection:
+that borrowed it. Two pieces keep a lock from ever going back to a pool with its connection:
 
 * :func:`pool_lock` checks a connection out, locks, yields it and releases before giving it
   back. When the release cannot be confirmed it closes the connection instead (psycopg_pool)
@@ -13,37 +13,36 @@ that borrowed it. Three pieces keep a lock from ever going back to a pool with i
   open, a bug): as a psycopg_pool ``reset=`` callback, or through
   :func:`pglock.sqlalchemy.release_on_checkin`, it drops every advisory lock still held when
   the connection comes back, and says which at WARNING.
-* :class:`Locker` is the one configured entry point for an application.
+
+:class:`pglock.Locker` (in :mod:`pglock._locker`) builds on both.
 """
 
 from __future__ import annotations
 
-import importlib
 import logging
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any, TypedDict, cast
 
 import psycopg
+from psycopg_pool import PoolTimeout
 
 from . import _conn, _sql
 from ._advisory import PgLock
-from ._classify import SOURCES, Kind, check_driver, classify
+from ._base import BaseLock
+from ._classify import Deferred, Kind, check_driver, classify
 from ._conn import IDLE, INERROR, INTRANS
-from ._keys import DEFAULT as _DEFAULT
-from ._keys import normalize_names, validate_flag, validate_name, validate_timeout
-from ._schema import validate_schema
+from ._keys import deadline as _deadline
+from ._keys import normalize_names, validate_flag, validate_timeout
+from ._keys import remaining as _remaining
 from .errors import LockError, LockNotAcquired, SelfDeadlock, UnsupportedServer
 
-if TYPE_CHECKING:
-    from psycopg_pool import ConnectionPool
-    from typing_extensions import Self
-
-    from ._leader import LeaderElection
-    from ._rwlock import RWLock
-    from ._semaphore import Semaphore
-    from ._singleton import Singleton
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pragma: no cover - Python 3.10
+    from typing_extensions import Unpack
 
 logger = logging.getLogger("pglock.pool")
 
@@ -200,19 +199,28 @@ def _classify(source: object, api: str = "pool_lock") -> str:
     return "sqlalchemy"
 
 
-class PoolLock:
-    """A session advisory lock on a connection checked out of a pool, as a context manager.
+class PoolLockOptions(TypedDict, total=False):
+    """The options of :func:`pool_lock` and :meth:`Locker.lock` (one definition for both)."""
 
-    Returned by :func:`pool_lock` and :meth:`Locker.lock`. ``with`` checks a connection out,
-    takes the lock, and yields the connection; the exit finishes the body's transaction
-    (commit on success, rollback if the body raised), releases the lock, and returns the
-    connection. If the release cannot be confirmed the connection is discarded instead, so
-    Postgres drops whatever it held; locks left on it by other handles are released first.
-    A nested block of a name this thread already holds through the same pool raises
-    :class:`pglock.SelfDeadlock`.
+    shared: bool
+    timeout: float | None
 
-    Thread safety: one ``with`` block at a time, in one thread. Create one per use (they are
-    cheap: no I/O before ``__enter__``).
+
+class PoolLock(BaseLock):
+    """A session advisory lock on a connection checked out of a pool.
+
+    Returned by :func:`pool_lock` and :meth:`Locker.lock`. ``with`` (or :meth:`acquire`)
+    checks a connection out, takes the lock, and yields the connection (also
+    :attr:`connection` while held); the exit (or :meth:`release`) finishes the body's
+    transaction (commit on success, rollback if the body raised), releases the lock, and
+    returns the connection. If the release cannot be confirmed the connection is discarded
+    instead, so Postgres drops whatever it held; locks left on it by other handles are released
+    first. A nested block of a name this thread already holds through the same pool raises
+    :class:`pglock.SelfDeadlock`. :meth:`close` cancels a blocked lock statement at once.
+
+    Thread safety: one acquisition at a time, released by the thread that took it. Create one
+    per use (they are cheap: no I/O before :meth:`acquire`); ``close()`` may come from any
+    thread.
     """
 
     def __init__(
@@ -226,34 +234,17 @@ class PoolLock:
         self._pairs = normalize_names(names)
         self._shared = validate_flag(shared, "shared")
         self._timeout = validate_timeout(timeout)
-        self._kind: str | None = _classify(source)
-        self._get_source: Callable[[], object] = lambda: source
+        self._kind: str | None = None if isinstance(source, Deferred) else _classify(source)
+        self._given = source
+        self._mutex = threading.Lock()
+        self._busy = False  # an acquire() is running
+        self._waiting: Any = None  # the connection its lock statement runs on (close cancels)
+        self._miss: tuple[str, BaseException] | None = None  # why the checkout gave up
         self._source: Any = None
         self._conn: Any = None  # what the body gets
         self._lock: PgLock | None = None
-        # This thread's record of pooled holds, and the marks this block added to it.
+        # This thread's record of pooled holds, and the marks this acquisition added to it.
         self._marks: tuple[set[tuple[int, int]], list[tuple[int, int]]] | None = None
-
-    @classmethod
-    def _deferred(
-        cls,
-        get_source: Callable[[], object],
-        names: str | Sequence[str],
-        *,
-        shared: bool,
-        timeout: float | None,
-    ) -> PoolLock:
-        """A PoolLock whose source is looked up at ``__enter__`` (a Locker's own pool is
-        created at the first use, not when a lock object is made)."""
-        self = cls.__new__(cls)
-        self._pairs = normalize_names(names)
-        self._shared = validate_flag(shared, "shared")
-        self._timeout = validate_timeout(timeout)
-        self._kind = None
-        self._get_source = get_source
-        self._source = self._conn = self._lock = None
-        self._marks = None
-        return self
 
     @property
     def names(self) -> list[str]:
@@ -262,28 +253,59 @@ class PoolLock:
 
     @property
     def locked(self) -> bool:
-        """True inside the ``with`` block while pglock believes the lock is held."""
+        """True while held (between acquire and release), as pglock believes."""
         return self._lock is not None and self._lock.locked
+
+    @property
+    def connection(self) -> Any:
+        """The connection holding the lock (what ``with`` yields) while held, else None."""
+        return self._conn
 
     def __repr__(self) -> str:
         mode = "shared" if self._shared else "exclusive"
         state = "locked" if self.locked else "unlocked"
         return f"<pglock.PoolLock {self.names!r} {mode} {state}>"
 
-    def _not_acquired(self, message: str | None = None) -> LockNotAcquired:
+    def _not_acquired(self) -> LockNotAcquired:
         names = self.names
-        return LockNotAcquired(
+        miss, self._miss = self._miss, None
+        err = LockNotAcquired(
             names[0] if len(names) == 1 else ", ".join(names),
             key=self._pairs[0][0] if len(self._pairs) == 1 else None,
             timeout=self._timeout,
-            message=message,
+            message=miss[0] if miss else None,
         )
+        if miss:
+            err.__cause__ = miss[1]
+        return err
 
-    def __enter__(self) -> Any:
-        if self._conn is not None:
-            raise RuntimeError("this pool_lock is already in use; create one per with-block")
-        source: Any = self._get_source()
-        kind = self._kind or _classify(source)
+    def _outstanding(self) -> bool:
+        return self._conn is not None
+
+    def _entered(self) -> Any:
+        return self._conn
+
+    def _acquire(self, timeout: float | None) -> bool:
+        with self._mutex:
+            if self._busy or self._conn is not None:
+                raise RuntimeError(
+                    f"this pool_lock {self.names!r} is already held or being acquired; "
+                    "create one per holder"
+                )
+            self._busy = True
+        waiters = self._waiters()
+        generation = waiters.enter()
+        try:
+            return self._take(timeout, lambda: waiters.closed(generation))
+        finally:
+            waiters.leave()
+            with self._mutex:
+                self._busy = False
+
+    def _take(self, timeout: float | None, closed: Callable[[], bool]) -> bool:
+        self._miss = None
+        source: Any = self._given.resolve() if isinstance(self._given, Deferred) else self._given
+        kind = self._kind = self._kind or _classify(source)
         marks = _thread_marks()
         pool_id = _pool_id(kind, source)
         for k, n in self._pairs:
@@ -291,42 +313,83 @@ class PoolLock:
                 # Before any checkout: with a pool of one connection the checkout itself
                 # would wait for the outer block's connection.
                 raise SelfDeadlock(n, key=k)
-        deadline = None if self._timeout is None else time.monotonic() + self._timeout
+        deadline = _deadline(timeout)
         # An Engine waits for a connection up to its own pool_timeout.
-        conn = self._checkout_psycopg(source) if kind == "psycopg_pool" else source.connect()
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        psycopg_pool = kind == "psycopg_pool"
+        conn = self._checkout_psycopg(source, timeout) if psycopg_pool else source.connect()
+        if conn is None:
+            return False
+        with self._mutex:
+            self._waiting = conn
         try:
-            lock = PgLock(conn, [n for _, n in self._pairs], shared=self._shared)
-            ok = lock.acquire(timeout=remaining)
+            lock = PgLock(conn, self.names, shared=self._shared)
+            ok = not closed() and lock.acquire(timeout=_remaining(deadline))
         except BaseException as exc:
             # A lock attempt that failed on its own terms left nothing held; anything else
             # (a broken connection, an interrupt mid-statement) may have: discard.
+            self._waiting = None
             _give_back(kind, source, conn, discard=not isinstance(exc, UnsupportedServer))
             raise
+        self._waiting = None
         if not ok:
             _give_back(kind, source, conn, discard=False)
-            raise self._not_acquired()
+            return False
         self._source, self._conn, self._lock = source, conn, lock
-        self._kind = kind
         mine = [(pool_id, k) for k, _ in self._pairs]
         marks.update(mine)
         self._marks = (marks, mine)
-        return conn
+        if closed():  # granted as close() ran: a woken acquire() holds nothing
+            self._end(None)
+            return False
+        return True
 
-    def _checkout_psycopg(self, pool: Any) -> Any:
-        from psycopg_pool import PoolTimeout
-
-        if not self._timeout:  # None or 0: the checkout waits as the pool is configured to
+    def _checkout_psycopg(self, pool: Any, timeout: float | None) -> Any:
+        if not timeout:  # None or 0: the checkout waits as the pool is configured to
             return pool.getconn()
         try:
-            return pool.getconn(timeout=self._timeout)
+            return pool.getconn(timeout=timeout)
         except PoolTimeout as exc:
-            raise self._not_acquired(
-                f"could not get a connection from the pool within {self._timeout:.2f} s "
-                f"to lock {', '.join(self.names)!r}"
-            ) from exc
+            self._miss = (
+                f"could not get a connection from the pool within {timeout:.2f} s "
+                f"to lock {', '.join(self.names)!r}",
+                exc,
+            )
+            return None
+
+    def _wake(self) -> None:
+        # A cancel that reaches the server before the lock statement does is ignored: send
+        # it again until the waiter has left the statement (a few tries at most).
+        pause, given_up = 0.01, time.monotonic() + 10
+        while time.monotonic() < given_up:
+            with self._mutex:
+                conn, kind = self._waiting, self._kind
+            raw = None if conn is None or kind is None else _raw(kind, conn)
+            if raw is None:
+                return
+            try:
+                raw.cancel_safe(timeout=2.0)
+            except Exception:
+                logger.debug("cancelling a pool_lock wait failed", exc_info=True)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
+
+    def release(self) -> None:
+        """Commit the transaction left open on :attr:`connection`, release the lock and give
+        the connection back to its pool (discarded when the release cannot be confirmed).
+
+        :raises RuntimeError: not held.
+        :raises pglock.LockLost: the lock was found gone (the connection was discarded).
+        """
+        if self._conn is None:
+            raise RuntimeError(f"release of an unlocked pool_lock {self.names!r}")
+        self._end(None)
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        # After an explicit release() inside the block there is nothing left to release.
+        if self._conn is not None:
+            self._end(exc)  # rolls back and never masks the body's exception when it raised
+
+    def _end(self, exc: BaseException | None) -> None:
         source, conn, lock, kind = self._source, self._conn, self._lock, self._kind
         self._source = self._conn = self._lock = None
         marks, self._marks = self._marks, None
@@ -334,7 +397,7 @@ class PoolLock:
             if conn is not None and lock is not None and kind is not None:
                 self._finish(source, conn, lock, kind, exc)
         finally:
-            if marks is not None:  # the set of the thread that entered, whichever exits
+            if marks is not None:  # the set of the thread that acquired, whichever releases
                 marks[0].difference_update(marks[1])
 
     def _finish(
@@ -479,11 +542,7 @@ def _give_back(kind: str, source: Any, conn: Any, *, discard: bool) -> None:
 
 
 def pool_lock(
-    pool_or_engine: object,
-    names: str | Sequence[str],
-    *,
-    shared: bool = False,
-    timeout: float | None = None,
+    pool_or_engine: object, names: str | Sequence[str], **options: Unpack[PoolLockOptions]
 ) -> PoolLock:
     """Check a connection out of a pool, hold a session lock on it, give it back clean.
 
@@ -507,16 +566,23 @@ def pool_lock(
     :class:`pglock.SelfDeadlock` at once, before any checkout or SQL, whatever its timeout
     and mode. Other threads wait for each other as usual.
 
+    The object follows the lock contract (docs/locks.md): ``acquire()`` / ``release()`` work
+    like the ``with`` block (the connection is :attr:`PoolLock.connection` meanwhile), and
+    ``close()`` from another thread cancels a waiting lock statement at once.
+
     :param pool_or_engine: a ``psycopg_pool.ConnectionPool`` (or ``NullConnectionPool``) or a
         SQLAlchemy ``Engine`` using the psycopg driver.
     :param names: a lock name, or several taken together (sorted by key: no deadlock).
-    :param shared: take a shared (read) lock.
-    :param timeout: ``None`` waits until acquired; ``0`` tries the lock once; ``> 0`` bounds the
-        whole wait, checkout included: for a psycopg_pool pool, ``getconn`` gets that budget and
-        the lock what is left of it; an Engine waits for a connection up to its own
-        ``pool_timeout`` and the time spent counts against ``timeout``. With ``None`` or ``0``
-        the checkout waits as the pool is configured to (``PoolTimeout`` /
-        ``sqlalchemy.exc.TimeoutError`` as usual).
+    :param options: keyword-only, the same for :meth:`Locker.lock` (``PoolLockOptions``):
+
+        * ``shared`` (default False): take a shared (read) lock;
+        * ``timeout`` (default None): the default of :meth:`PoolLock.acquire` and of ``with``.
+          ``None`` waits until acquired; ``0`` tries the lock once; ``> 0`` bounds the
+          whole wait, checkout included: for a psycopg_pool pool, ``getconn`` gets that budget
+          and the lock what is left of it; an Engine waits for a connection up to its own
+          ``pool_timeout`` and the time spent counts against ``timeout``. With ``None`` or
+          ``0`` the checkout waits as the pool is configured to (``PoolTimeout`` /
+          ``sqlalchemy.exc.TimeoutError`` as usual).
     :raises pglock.LockNotAcquired: not acquired within ``timeout`` (or, for a psycopg_pool
         pool and ``timeout > 0``, no connection within it).
     :raises pglock.UnsupportedServer: a hot standby, or a transaction-mode pooler in between.
@@ -531,325 +597,7 @@ def pool_lock(
         with pglock.pool_lock(pool, "report:daily", timeout=5) as conn:
             conn.execute("INSERT INTO reports (day) VALUES (current_date)")
     """
-    return PoolLock(pool_or_engine, names, shared=shared, timeout=timeout)
+    return PoolLock(pool_or_engine, names, **options)
 
 
-# --- Locker ----------------------------------------------------------------------------------
-
-
-def _validate_namespace(namespace: object) -> str | None:
-    if namespace is None:
-        return None
-    if not isinstance(namespace, str):
-        raise TypeError(f"namespace must be a str or None, not {type(namespace).__name__}")
-    validate_name(namespace)
-    if ":" in namespace:
-        raise ValueError(
-            f"namespace must not contain ':' (got {namespace!r}): the full lock name is "
-            "'<namespace>:<name>', and a ':' in the namespace would let two namespaces "
-            "share names; use another separator such as '.' or '/'"
-        )
-    return namespace
-
-
-class Locker:
-    """The one configured entry point for an application's locks.
-
-    ``Locker(source, namespace="billing")`` holds a connection source and settings; each call
-    makes a lock: :meth:`lock` (a session advisory lock on a pooled connection, like
-    :func:`pool_lock`) and :meth:`lease` (a TTL lease with a fencing token, like
-    :func:`pglock.lease`).
-
-    :param source: a ``psycopg_pool.ConnectionPool``, a SQLAlchemy ``Engine`` (psycopg driver),
-        or a DSN string. For a DSN the Locker creates its own ``ConnectionPool`` at the first
-        use, with ``reset=pglock.reset_connection``, and closes it in :meth:`close`. A pool or
-        engine you pass stays yours: the Locker never closes it.
-    :param namespace: folded into every name: ``locker.lock("x")`` locks ``"<namespace>:x"``,
-        the same lock as ``pg_lock(conn, "<namespace>:x")``. A namespace follows the rules for
-        names and must not contain ``':'``, so two namespaces never share a name.
-    :param schema: the schema of the lease table and functions (leases only).
-    :param timeout: the default ``timeout`` of :meth:`lock` and :meth:`lease` (``None``: wait).
-    :param pool_kwargs: extra keyword arguments for the ``ConnectionPool`` a DSN Locker creates
-        (defaults: ``min_size=1``, ``max_size=10``); refused for a pool or engine source.
-
-    No I/O happens in the constructor. Thread safety: a Locker can be shared between threads
-    (its own pool is created once, under a lock); the objects its methods return are each for
-    one thread.
-
-    Example::
-
-        locker = pglock.Locker(pool, namespace="billing")
-        with locker.lock("invoice:42", timeout=5) as conn:
-            conn.execute("UPDATE invoices SET sent = true WHERE id = 42")
-    """
-
-    def __init__(
-        self,
-        source: object,
-        *,
-        namespace: str | None = None,
-        schema: str = "pglock",
-        timeout: float | None = None,
-        pool_kwargs: Mapping[str, Any] | None = None,
-    ) -> None:
-        self._namespace = _validate_namespace(namespace)
-        self._schema = validate_schema(schema)
-        self._timeout = validate_timeout(timeout)
-        self._dsn: str | None = None
-        self._external: object = None
-        if classify(source, SOURCES, api="Locker", hints=_USE_PG_LOCK) is Kind.DSN:
-            if not cast(str, source).strip():
-                raise ValueError("the DSN must not be empty")
-            self._dsn = cast(str, source)
-        else:
-            _classify(source, "Locker")
-            self._external = source
-            if pool_kwargs is not None:
-                raise TypeError(
-                    "pool_kwargs configures the pool a Locker creates from a DSN; "
-                    "this Locker uses the pool or engine you passed"
-                )
-        if pool_kwargs is not None and not isinstance(pool_kwargs, Mapping):
-            raise TypeError(f"pool_kwargs must be a mapping, not {type(pool_kwargs).__name__}")
-        self._pool_kwargs = dict(pool_kwargs or {})
-        for forbidden in ("open", "conninfo"):
-            if forbidden in self._pool_kwargs:
-                raise TypeError(f"pool_kwargs must not set {forbidden!r}")
-        self._mutex = threading.Lock()
-        self._own_pool: ConnectionPool[Any] | None = None
-        self._closed = False
-
-    # -- configuration ---------------------------------------------------------------------
-
-    @property
-    def namespace(self) -> str | None:
-        """The namespace folded into every name, or None."""
-        return self._namespace
-
-    @property
-    def schema(self) -> str:
-        """The schema of the lease table and functions."""
-        return self._schema
-
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self._closed
-
-    def full_name(self, name: str) -> str:
-        """The name as locked in Postgres: ``"<namespace>:<name>"``, or ``name`` without one.
-
-        Use it to reach the same lock through :func:`pglock.pg_lock` or
-        :func:`pglock.xact_lock` on a connection you hold.
-
-        :raises TypeError, ValueError: an invalid name (or too long with the namespace).
-        """
-        validate_name(name)
-        full = name if self._namespace is None else f"{self._namespace}:{name}"
-        return validate_name(full)
-
-    def _full_names(self, names: str | Sequence[str]) -> str | list[str]:
-        if isinstance(names, str):
-            return self.full_name(names)
-        normalize_names(names)  # the same type errors as everywhere else
-        return [self.full_name(n) for n in names]
-
-    def __repr__(self) -> str:
-        source = "dsn" if self._dsn is not None else type(self._external).__name__
-        closed = " closed" if self._closed else ""
-        return f"<pglock.Locker {source} namespace={self._namespace!r}{closed}>"
-
-    # -- the connection source -------------------------------------------------------------
-
-    def _connection_source(self) -> object:
-        """The pool or engine to check connections out of (a DSN Locker's own pool is
-        created here, at the first use)."""
-        with self._mutex:
-            if self._closed:
-                raise RuntimeError("this Locker is closed")
-            if self._external is not None:
-                return self._external
-            if self._own_pool is None:
-                from psycopg_pool import ConnectionPool
-
-                from ._deadline import connect_extra
-
-                kwargs: dict[str, Any] = {"min_size": 1, "max_size": 10, "name": "pglock"}
-                kwargs.update(self._pool_kwargs)
-                kwargs.setdefault("reset", reset_connection)
-                kwargs.setdefault("check", ConnectionPool.check_connection)
-                assert self._dsn is not None
-                # pglock opens these connections: connect timeout and TCP keepalives by
-                # default, as for every connection pglock opens (docs/guarantees.md).
-                given = dict(kwargs.get("kwargs") or {})
-                kwargs["kwargs"] = {**connect_extra(self._dsn, given), **given}
-                pool: ConnectionPool[Any] = ConnectionPool(self._dsn, open=False, **kwargs)
-                pool.open()
-                self._own_pool = pool
-                logger.debug("Locker opened its own pool %r", pool.name)
-            return self._own_pool
-
-    def close(self) -> None:
-        """Close the pool this Locker created from a DSN (never a pool or engine you passed).
-
-        Idempotent. Locks still held on its connections are released by Postgres when the
-        connections close."""
-        with self._mutex:
-            self._closed = True
-            pool, self._own_pool = self._own_pool, None
-        if pool is not None:
-            pool.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self.close()
-
-    # -- locks -----------------------------------------------------------------------------
-
-    def lock(
-        self,
-        names: str | Sequence[str],
-        *,
-        shared: bool = False,
-        timeout: float | None = _DEFAULT,
-    ) -> PoolLock:
-        """A session advisory lock on a pooled connection: :func:`pool_lock` with the
-        namespace folded into the names.
-
-        ``with locker.lock("invoice:42", timeout=5) as conn:`` yields the connection holding the
-        lock (psycopg ``Connection``, or SQLAlchemy ``Connection`` for an Engine).
-
-        :param timeout: omitted: the Locker's default; see :func:`pool_lock`.
-        :raises pglock.LockNotAcquired: not acquired in time (at ``with``).
-        :raises pglock.SelfDeadlock: this thread already holds one of the names through this
-            Locker's pool (at ``with``): use the connection the outer block yielded.
-        :raises RuntimeError: the Locker is closed (at ``with``).
-        """
-        t = self._timeout if timeout is _DEFAULT else validate_timeout(timeout)
-        return PoolLock._deferred(
-            self._connection_source, self._full_names(names), shared=shared, timeout=t
-        )
-
-    def lease(
-        self,
-        name: str,
-        *,
-        ttl: float = 30.0,
-        timeout: float | None = _DEFAULT,
-        metadata: Mapping[str, Any] | None = None,
-        keepalive: bool = True,
-        holder: str | None = None,
-        on_lost: Callable[..., Any] | None = None,
-        resume: bool = False,
-    ) -> Any:
-        """A TTL lease with a fencing token: :func:`pglock.lease` on this Locker's source,
-        schema and namespace. Needs the pglock schema installed.
-
-        :param timeout: omitted: the Locker's default. The other parameters are those of
-            :func:`pglock.lease`.
-
-        Example::
-
-            with locker.lease("nightly-export", ttl=60) as lease:
-                export(fencing_token=lease.token)
-        """
-        t = self._timeout if timeout is _DEFAULT else validate_timeout(timeout)
-        full = self.full_name(name)
-        # Imported here so that this module does not depend on the lease module at import.
-        lease_fn = importlib.import_module("pglock._lease").lease
-        return lease_fn(
-            self._connection_source(),
-            full,
-            ttl=ttl,
-            timeout=t,
-            metadata=metadata,
-            keepalive=keepalive,
-            holder=holder,
-            on_lost=on_lost,
-            resume=resume,
-            schema=self._schema,
-        )
-
-    # -- coordination (issue 5): rwlock, singleton, leader, semaphore ----------------------
-
-    def rwlock(self, name: str) -> RWLock:
-        """A read-write lock on the namespaced ``name`` over this Locker's pool: see
-        :func:`pglock.rwlock`. ``read()``/``write()`` default to the Locker's timeout.
-
-        Example::
-
-            with locker.rwlock("config").read() as conn:
-                conn.execute("SELECT * FROM settings")
-        """
-        from ._rwlock import RWLock
-
-        return RWLock._for_locker(self._connection_source, self.full_name(name), self._timeout)
-
-    def singleton(self, name: str, *, timeout: float | None = 0) -> Singleton:
-        """A decorator running a job only where no other process runs it: see
-        :func:`pglock.singleton` (``timeout=0`` skips at once; the Locker's default timeout
-        does not apply).
-
-        Example::
-
-            @locker.singleton("cron:daily-cleanup")
-            def daily_cleanup() -> None: ...
-        """
-        from ._rwlock import RWLock
-        from ._singleton import Singleton
-
-        lock = RWLock._for_locker(self._connection_source, self.full_name(name), None)
-        return Singleton(lock, validate_timeout(timeout))
-
-    def leader(
-        self,
-        name: str,
-        *,
-        on_elected: Callable[[], object] | None = None,
-        on_lost: Callable[[], object] | None = None,
-        check_interval: float = 1.0,
-        takeover_delay: float | None = None,
-        network_timeout: float = 5.0,
-    ) -> LeaderElection:
-        """A candidate in the leader election for the namespaced ``name``: see
-        :func:`pglock.leader`. It opens its own connection with this Locker's connection
-        parameters (the DSN, or those of the pool or engine).
-
-        Example::
-
-            with locker.leader("scheduler", on_elected=start, on_lost=stop) as election:
-                election.wait_elected()
-        """
-        from ._leader import LeaderElection
-
-        return LeaderElection(
-            self._dsn if self._dsn is not None else self._external,
-            self.full_name(name),
-            on_elected=on_elected,
-            on_lost=on_lost,
-            check_interval=check_interval,
-            takeover_delay=takeover_delay,
-            network_timeout=network_timeout,
-        )
-
-    def semaphore(
-        self, name: str, *, limit: int, ttl: float = 30.0, metadata: Any = None
-    ) -> Semaphore:
-        """A semaphore on the namespaced ``name`` over this Locker's source and schema: see
-        :func:`pglock.semaphore`. Needs the pglock schema installed.
-
-        Example::
-
-            with locker.semaphore("exports", limit=3):
-                run_export()
-        """
-        from ._semaphore import Semaphore
-
-        return Semaphore._for_locker(
-            self._connection_source, self.full_name(name), limit, ttl, self._schema, metadata
-        )
-
-
-__all__ = ["Locker", "PoolLock", "pool_lock", "reset_connection"]
+__all__ = ["PoolLock", "PoolLockOptions", "pool_lock", "reset_connection"]

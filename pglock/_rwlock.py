@@ -9,21 +9,28 @@ writer waits does not overtake it, and a steady stream of readers cannot starve 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-from types import TracebackType
-from typing import Any
+import sys
+from typing import Any, TypedDict
 
 from . import _pool
 from ._advisory import PgLock
-from ._classify import HELD, Kind, classify
+from ._base import BaseLock, Waiters
+from ._classify import HELD, Deferred, Kind, classify
 from ._keys import DEFAULT as _DEFAULT
 from ._keys import key, validate_name, validate_timeout
 from ._pool import PoolLock
+from .errors import LockNotAcquired
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pragma: no cover - Python 3.10
+    from typing_extensions import Unpack
 
 
 def _classify(source: object) -> str:
     """``"conn"`` (lock on this connection) or ``"pool"`` (check one out); no I/O."""
+    if isinstance(source, Deferred):  # a Locker's pool
+        return "pool"
     kind = classify(
         source,
         HELD | {Kind.POOL, Kind.ENGINE},
@@ -39,48 +46,104 @@ def _classify(source: object) -> str:
     return "pool"
 
 
-class _Hold:
-    """One acquisition of a name in one mode; ``with`` yields the connection holding it."""
+class RWLockOptions(TypedDict, total=False):
+    """The options of :func:`rwlock` and ``Locker.rwlock`` (one definition for both)."""
 
-    def __init__(
-        self,
-        factory: Callable[[bool, float | None], Any],
-        shared: bool,
-        timeout: float | None,
-    ) -> None:
-        self._factory = factory
+    timeout: float | None
+
+
+class RWHold(BaseLock):
+    """The read or the write lock of an :class:`RWLock`: ``rw.read()``, ``rw.write()``.
+
+    ``with`` (or :meth:`acquire`) takes it and yields the connection holding it (also
+    :attr:`connection`); through a pool the connection is checked out for the hold and goes
+    back at the release, as with :func:`pglock.pool_lock` (whose transaction rules apply).
+    :meth:`close` wakes a thread blocked in :meth:`acquire` at once.
+
+    Thread safety: one acquisition at a time, by one thread; ``close()`` from any thread.
+    """
+
+    def __init__(self, rw: RWLock, shared: bool, timeout: float | None) -> None:
+        self._rw = rw
         self._shared = shared
         self._timeout = timeout
-        self._stack: contextlib.ExitStack | None = None
+        # Through a pool the PoolLock is made now (no I/O); on a connection at the first
+        # acquire (a SQLAlchemy Session gives its connection only then).
+        self._inner: PgLock | PoolLock | None = (
+            PoolLock(rw._source, rw.name, shared=shared) if rw._kind == "pool" else None
+        )
 
-    def __enter__(self) -> Any:
-        if self._stack is not None:
-            raise RuntimeError("this lock block is already in use; create one per with-block")
-        # Nesting through a pool is refused by PoolLock itself (pglock.SelfDeadlock), with
-        # the record it shares with pool_lock and Locker.lock.
-        stack = contextlib.ExitStack()
-        with stack:
-            conn = stack.enter_context(self._factory(self._shared, self._timeout))
-            self._stack = stack.pop_all()
-        return conn
+    @property
+    def locked(self) -> bool:
+        """True while held, as pglock believes."""
+        return self._inner is not None and self._inner.locked
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        stack, self._stack = self._stack, None
-        if stack is not None:
-            stack.__exit__(exc_type, exc, tb)
+    @property
+    def connection(self) -> Any:
+        """The connection holding the lock (what ``with`` yields) while held, else None."""
+        inner = self._inner
+        if isinstance(inner, PoolLock):
+            return inner.connection
+        return self._rw._source if self._outstanding() else None
+
+    def __repr__(self) -> str:
+        mode = "read" if self._shared else "write"
+        state = "locked" if self.locked else "unlocked"
+        return f"<pglock.RWLock {self._rw.name!r} {mode} {state}>"
+
+    def _acquire(self, timeout: float | None) -> bool:
+        if self._inner is None:
+            self._inner = PgLock(self._rw._source, self._rw.name, shared=self._shared)
+        return self._inner.acquire(timeout=timeout)
+
+    def release(self) -> None:
+        """Release the hold (through a pool: commit and give the connection back).
+
+        :raises RuntimeError: not held.
+        :raises pglock.LockLost: the lock was found gone.
+        """
+        if self._inner is None:
+            raise RuntimeError(f"release of an unlocked {self!r}")
+        self._inner.release()
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        # The inner lock's exit: through a pool it rolls back the body's transaction when the
+        # body raised; after an explicit release() it does nothing.
+        if self._inner is not None:
+            self._inner.__exit__(exc_type, exc, tb)
+
+    def _outstanding(self) -> bool:
+        inner = self._inner
+        if isinstance(inner, BaseLock):
+            return inner._outstanding()
+        return inner is not None and inner._owner is not None
+
+    def _not_acquired(self) -> LockNotAcquired:
+        if isinstance(self._inner, PoolLock):
+            return self._inner._not_acquired()
+        return LockNotAcquired(self._rw.name, key=self._rw.key, timeout=self._timeout)
+
+    def _entered(self) -> Any:
+        return self.connection
+
+    def _waiters(self) -> Waiters:
+        # The inner lock's waiters: close() marks the wait that the inner lock runs.
+        inner = self._inner
+        return inner._waiters() if isinstance(inner, BaseLock) else super()._waiters()
+
+    def _wake(self) -> None:
+        if isinstance(self._inner, BaseLock):
+            self._inner._wake()
 
 
 class RWLock:
     """A read-write lock on ``name``: ``with rw.read():`` shares it with other readers,
     ``with rw.write():`` excludes everyone.
 
-    Each ``with`` yields the connection holding the lock: the connection you passed, or the
-    one checked out of the pool (returned at the end of the block, as in :func:`pool_lock`).
+    :meth:`read` and :meth:`write` return lock objects (:class:`RWHold`) with the usual
+    ``acquire()`` / ``release()`` / ``locked`` / ``close()``. Their ``with`` yields the
+    connection holding the lock: the connection you passed, or the one checked out of the pool
+    (returned at the end of the block, as in :func:`pool_lock`).
 
     Writers are not starved: Postgres queues a read request behind a waiting write request.
     On one connection, re-entry from a thread is counted (a read inside that thread's write is
@@ -92,27 +155,14 @@ class RWLock:
     yielded instead.
 
     Thread safety: an ``RWLock`` may be shared by threads; each ``read()``/``write()`` call
-    returns a block object for one ``with`` in one thread.
+    returns a lock object for one thread.
     """
 
-    def __init__(self, source: object, name: str) -> None:
-        validate_name(name)
-        kind = _classify(source)
-        self._name = name
-        self._kind = kind
-        self._get_source: Callable[[], object] = lambda: source
-        self._default_timeout: float | None = None
-
-    @classmethod
-    def _for_locker(
-        cls, get_source: Callable[[], object], name: str, timeout: float | None
-    ) -> RWLock:
-        self = cls.__new__(cls)
+    def __init__(self, source: object, name: str, *, timeout: float | None = None) -> None:
         self._name = validate_name(name)
-        self._kind = "pool"
-        self._get_source = get_source
-        self._default_timeout = timeout
-        return self
+        self._kind = _classify(source)
+        self._source = source
+        self._timeout = validate_timeout(timeout)
 
     @property
     def name(self) -> str:
@@ -127,48 +177,38 @@ class RWLock:
     def __repr__(self) -> str:
         return f"<pglock.RWLock {self._name!r}>"
 
-    def read(self, timeout: float | None = _DEFAULT) -> _Hold:
-        """A shared (read) hold, as a context manager yielding the connection.
+    def read(self, timeout: float | None = _DEFAULT) -> RWHold:
+        """The shared (read) lock, as a lock object whose ``with`` yields the connection.
 
-        :param timeout: ``None`` waits; ``0`` tries once; ``> 0`` waits that long.
+        :param timeout: the default of its ``acquire()`` and ``with``: ``None`` waits; ``0``
+            tries once; ``> 0`` waits that long; omitted, the rwlock's timeout.
         :raises pglock.LockNotAcquired: not acquired in time (at ``with``).
         """
         return self._hold(True, timeout)
 
-    def write(self, timeout: float | None = _DEFAULT) -> _Hold:
-        """An exclusive (write) hold, as a context manager yielding the connection.
+    def write(self, timeout: float | None = _DEFAULT) -> RWHold:
+        """The exclusive (write) lock, as a lock object whose ``with`` yields the connection.
 
-        :param timeout: ``None`` waits; ``0`` tries once; ``> 0`` waits that long.
+        :param timeout: as for :meth:`read`.
         :raises pglock.LockNotAcquired: not acquired in time (at ``with``).
         :raises pglock.LockError: this thread holds the read lock on the same connection.
         """
         return self._hold(False, timeout)
 
-    def _hold(self, shared: bool, timeout: float | None) -> _Hold:
-        t = self._default_timeout if timeout is _DEFAULT else validate_timeout(timeout)
-        return _Hold(self._factory, shared, t)
-
-    @contextlib.contextmanager
-    def _factory(self, shared: bool, timeout: float | None) -> Iterator[Any]:
-        source = self._get_source()
-        if self._kind == "conn":
-            with PgLock(source, self._name, shared=shared, timeout=timeout):
-                yield source
-        else:
-            kind_lock = PoolLock._deferred(
-                lambda: source, self._name, shared=shared, timeout=timeout
-            )
-            with kind_lock as conn:
-                yield conn
+    def _hold(self, shared: bool, timeout: float | None) -> RWHold:
+        t = self._timeout if timeout is _DEFAULT else validate_timeout(timeout)
+        return RWHold(self, shared, t)
 
 
-def rwlock(source: object, name: str) -> RWLock:
+def rwlock(source: object, name: str, **options: Unpack[RWLockOptions]) -> RWLock:
     """A read-write lock on ``name`` through ``source``.
 
     :param source: a psycopg ``Connection`` or SQLAlchemy ``Connection``/``Session`` (the lock
-        lives on it), or a ``psycopg_pool.ConnectionPool`` / SQLAlchemy ``Engine`` (each block
+        lives on it), or a ``psycopg_pool.ConnectionPool`` / SQLAlchemy ``Engine`` (each hold
         checks a connection out, as :func:`pglock.pool_lock` does).
-    :raises TypeError, ValueError: a bad source or name, before any SQL.
+    :param options: keyword-only, the same for ``Locker.rwlock`` (``RWLockOptions``):
+        ``timeout`` (default None), the default of ``read()`` and ``write()``.
+    :raises TypeError, ValueError: a bad source, name or timeout, before any SQL.
 
     Example::
 
@@ -178,4 +218,4 @@ def rwlock(source: object, name: str) -> RWLock:
         with config.write() as conn:
             conn.execute("UPDATE settings SET value = 'x' WHERE key = 'mode'")
     """
-    return RWLock(source, name)
+    return RWLock(source, name, **options)

@@ -1,21 +1,14 @@
-"""The pglock schema: name validation, the shipped revisions, and the programmatic install.
+"""The pglock schema: the shipped revisions and the programmatic install.
 
-:func:`install` is what ``pglock install`` runs: it applies every shipped revision that the
-database does not have yet, in one transaction, under a transaction-level advisory lock on
-``pglock:install:<schema>`` (the revisions take the same lock under Alembic), so concurrent
-installs serialize and each object is created once. It needs only psycopg: the revisions keep
-their SQL in ``upgrade_statements(schema)``, which Alembic's ``upgrade()`` runs too.
-
-Installed revisions are recorded in ``<schema>.schema_revision`` by the revisions themselves,
-whichever way they were applied; the DDL is idempotent, so a schema installed by
-``pglock install`` can later be adopted by the user's own Alembic (``alembic upgrade pglock@head``
-runs the same statements again and changes nothing).
+:func:`install` is what ``pglock install`` runs: every shipped revision the database lacks, in
+one transaction, under the advisory lock the revisions take under Alembic too
+(``_contract.install_lock_key``). Revisions record themselves in ``<schema>.schema_revision``
+and are idempotent, so a schema installed here can later be adopted by the user's Alembic.
 """
 
 from __future__ import annotations
 
 import importlib
-import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,49 +20,8 @@ from psycopg import sql
 
 from . import _conn, _sql
 from ._classify import Kind, classify
-from ._keys import key
-
-#: The schema pglock installs into unless told otherwise.
-DEFAULT_SCHEMA = "pglock"
-
-#: Schema names pglock accepts: plain lower-case identifiers that need no quoting and are not
-#: truncated by Postgres (63 bytes at most).
-SCHEMA_PATTERN = re.compile(r"[a-z_][a-z0-9_]{0,62}")
-
-
-def validate_schema(schema: object) -> str:
-    """Return ``schema`` if it is a plain lower-case identifier, else raise.
-
-    Accepted: ``^[a-z_][a-z0-9_]{0,62}$`` (so no quoting, no case folding, no truncation, no
-    injection), and not a ``pg_`` name (reserved by Postgres for system schemas).
-
-    :raises TypeError: not a ``str``.
-    :raises ValueError: anything else.
-    """
-    if not isinstance(schema, str):
-        raise TypeError(f"schema must be a str, not {type(schema).__name__}")
-    if not SCHEMA_PATTERN.fullmatch(schema):
-        raise ValueError(
-            f"invalid schema name {schema!r}: use 1 to 63 characters from a-z, 0-9 and _, "
-            "not starting with a digit (for example 'pglock')"
-        )
-    if schema.startswith("pg_"):
-        raise ValueError(f"invalid schema name {schema!r}: names starting with pg_ are reserved")
-    return schema
-
-
-def lease_channel(schema: str) -> str:
-    """The NOTIFY channel of lease releases in ``schema``: ``<schema>_lease``, the schema part
-    cut so that the channel fits Postgres's 63-byte identifiers. The payload is the lease name.
-    """
-    suffix = "_lease"
-    return schema[: 63 - len(suffix)] + suffix
-
-
-def install_lock_key(schema: str) -> int:
-    """The advisory-lock key that serializes installs of ``schema``."""
-    return key(f"pglock:install:{schema}")
-
+from ._contract import DEFAULT_SCHEMA, install_lock_key, validate_schema
+from .migrations import VERSIONS_DIR
 
 # --- the shipped revisions ------------------------------------------------------------------
 
@@ -112,8 +64,6 @@ def head() -> str:
 
 
 def _load_revisions() -> list[Revision]:
-    from .migrations import VERSIONS_DIR
-
     by_down: dict[str | None, Revision] = {}
     for path in sorted(Path(VERSIONS_DIR).glob("*.py")):
         if path.name.startswith("__"):
@@ -208,14 +158,4 @@ def _install(conn: psycopg.Connection[Any], schema: str, plan: list[Revision]) -
     return applied
 
 
-__all__ = [
-    "DEFAULT_SCHEMA",
-    "Revision",
-    "head",
-    "install",
-    "install_lock_key",
-    "installed_revisions",
-    "lease_channel",
-    "revisions",
-    "validate_schema",
-]
+__all__ = ["Revision", "head", "install", "installed_revisions", "revisions"]

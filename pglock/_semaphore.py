@@ -8,19 +8,21 @@ import logging
 import os
 import random
 import socket
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 import psycopg
 from psycopg import sql
 
 from . import _base, _conn, _sql, _ttl, _waiting
+from ._classify import Deferred
+from ._contract import DEFAULT_SCHEMA, LIMIT_MISMATCH, semaphore_channel, validate_schema
 from ._deadline import NoAnswer
 from ._keys import DEFAULT, validate_name, validate_timeout
-from ._schema import DEFAULT_SCHEMA, validate_schema
 from ._source import ANSWER_GRACE, WAIT_CHUNK, DsnSource, Source, short_deadline
 from ._source import make_source as _make_source
 from ._validate import encode_metadata, validate_ttl
@@ -29,10 +31,13 @@ from .errors import LimitMismatch, LockLost, LockNotAcquired
 if TYPE_CHECKING:
     from typing_extensions import Self
 
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pragma: no cover - Python 3.10
+    from typing_extensions import Unpack
+
 logger = logging.getLogger("pglock.semaphore")
 
-#: SQLSTATE of ``semaphore_acquire`` when the caller's limit differs from the stored one.
-LIMIT_MISMATCH = "PGL01"
 #: The largest limit (and weight) accepted: Postgres ``integer``.
 MAX_LIMIT = 2**31 - 1
 #: Wake this much after the earliest permit held elsewhere expires.
@@ -55,13 +60,6 @@ class Info(NamedTuple):
     max_permits: int
     held: int
     holders: Any
-
-
-def semaphore_channel(schema: str) -> str:
-    """The NOTIFY channel of semaphore releases in ``schema`` (``<schema>_semaphore``, cut to
-    Postgres's 63-byte identifiers). Must match revision ``pglock_0002``."""
-    suffix = "_semaphore"
-    return schema[: 63 - len(suffix)] + suffix
 
 
 #: Semaphores, to the shared TTL-row client. A waiter looks once more when its object's queue
@@ -306,8 +304,12 @@ class Semaphore(_base.BaseLock):
     ) -> None:
         self._setup(name, limit, ttl, schema, metadata)
         self._timeout = validate_timeout(timeout)
-        self._get_source: Callable[[], object] = lambda: source
-        self._source: Source | None = make_source(source)
+        if isinstance(source, Deferred):  # a Locker's pool: resolved at the first use
+            self._get_source: Callable[[], object] = source.resolve
+            self._source: Source | None = None
+        else:
+            self._get_source = lambda: source
+            self._source = make_source(source)
 
     def _setup(self, name: str, limit: int, ttl: float, schema: str, metadata: Any) -> None:
         self._name = validate_name(name)
@@ -322,17 +324,6 @@ class Semaphore(_base.BaseLock):
         self._by_thread: dict[threading.Thread, list[Permit]] = {}
         self._rng = random.Random()
         self._timeout: float | None = None
-
-    @classmethod
-    def _for_locker(
-        cls, get_source: Callable[[], object], name: str, limit: int, ttl: float, schema: str,
-        metadata: Any,
-    ) -> Semaphore:
-        self = cls.__new__(cls)
-        self._setup(name, limit, ttl, schema, metadata)
-        self._get_source = get_source
-        self._source = None  # resolved at the first use (a Locker opens its pool lazily)
-        return self
 
     # -- introspection ------------------------------------------------------------------
 
@@ -615,15 +606,21 @@ class Semaphore(_base.BaseLock):
         logger.debug("released %d permit(s) of semaphore %r", permit.permits, self._name)
 
 
+class SemaphoreOptions(TypedDict, total=False):
+    """The options of :func:`semaphore` and ``Locker.semaphore`` (one definition for both)."""
+
+    ttl: float
+    metadata: Any
+    timeout: float | None
+
+
 def semaphore(
     source: object,
     name: str,
     limit: int,
     *,
-    ttl: float = 30.0,
     schema: str = DEFAULT_SCHEMA,
-    metadata: Any = None,
-    timeout: float | None = None,
+    **options: Unpack[SemaphoreOptions],
 ) -> Semaphore:
     """A semaphore ``name`` allowing ``limit`` permits at once across all processes.
 
@@ -631,12 +628,15 @@ def semaphore(
         or a DSN string; statements run on connections of their own from it.
     :param limit: the number of permits (stored by the first acquire; every user must pass the
         same).
-    :param ttl: seconds a holder's permits outlive its last renewal (renewed every ``ttl/3``
-        while held); a crashed holder's permits come back within it.
     :param schema: the pglock schema (default ``pglock``).
-    :param metadata: a JSON value stored with each permit (shown in ``semaphore_permit``).
-    :param timeout: the default of ``acquire()`` and ``with``: ``None`` waits as long as
-        needed; ``0`` tries once; ``> 0`` waits that long.
+    :param options: keyword-only, the same for ``Locker.semaphore`` (``SemaphoreOptions``):
+
+        * ``ttl`` (default 30): seconds a holder's permits outlive its last renewal (renewed
+          every ``ttl/3`` while held); a crashed holder's permits come back within it;
+        * ``metadata`` (default None): a JSON value stored with each permit (shown in
+          ``semaphore_permit``);
+        * ``timeout`` (default None): the default of ``acquire()`` and ``with``: ``None``
+          waits as long as needed; ``0`` tries once; ``> 0`` waits that long.
     :raises TypeError, ValueError: bad arguments, before any SQL.
 
     Example::
@@ -647,6 +647,4 @@ def semaphore(
         with exports.hold(permits=2, timeout=10):       # a heavy job takes two
             run_big_export()
     """
-    return Semaphore(
-        source, name, limit, ttl=ttl, schema=schema, metadata=metadata, timeout=timeout
-    )
+    return Semaphore(source, name, limit, schema=schema, **options)

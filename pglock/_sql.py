@@ -1,8 +1,11 @@
-"""Every SQL statement pglock sends, composed with :mod:`psycopg.sql`.
+"""Every SQL statement pglock sends from Python, each under its own name.
 
-Advisory-lock statements embed their keys as literals (they are Python ints computed by
-pglock, never user text), so several statements can travel in one simple-query round trip:
-``SAVEPOINT ...; SET LOCAL lock_timeout ...; SELECT pg_advisory_lock(...)``.
+Two styles: fixed text (module-level constants, with ``%s`` parameters where values vary) for
+statements where no identifier varies, which psycopg caches and prepares; :mod:`psycopg.sql`
+composition where the schema varies (rendered once per schema where the path is hot) and for
+batches of several statements, which travel in one simple-query round trip and so carry their
+values as literals (advisory-lock keys are Python ints computed by pglock, never user text).
+The PL/pgSQL functions these statements call are in ``pglock/sql/*.sql``.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from psycopg import sql
+
+from ._contract import DEFAULT_SCHEMA, NAMES_MARKER, NAMES_TABLE
 
 SAVEPOINT_NAME = sql.Identifier("_pglock_acquire")
 
@@ -55,18 +60,13 @@ UNLOCK_MANY = {
     " FROM unnest(%s::bigint[]) AS k",
 }
 
-#: The name registry (see :mod:`pglock._registry`): key -> the name pglock took it for, in
-#: ``<schema>.lock_names`` of the configured pglock schema only, never found by name elsewhere.
-NAMES_TABLE = "lock_names"
-NAMES_MARKER = "pglock name registry"
-DEFAULT_SCHEMA = "pglock"
 
 
 def _names_schema(schema: str, privilege: str) -> sql.Composed:
     """``schema`` when its name registry may be used this way by the current role, else NULL.
 
     An INSERT runs the table's triggers (and rules) as the inserting role and a read applies
-    its row-security policies, so pglock uses only a table it can trust (issue 11 item 3):
+    its row-security policies, so pglock uses only a table it can trust:
     ``<schema>.lock_names``, a plain table carrying pglock's comment, with no trigger, rule or
     row security, owned by the owner of the schema, who is the current role, a role it is a
     member of, a superuser or the database owner. A superuser counts only itself, superusers
@@ -212,22 +212,29 @@ def held_in_transaction(keys: Sequence[int]) -> sql.Composed:
 
 # --- introspection (pglock._inspect) ---------------------------------------------------
 
-#: ``pglock status``'s header: the database, the server's clock and its version number.
-STATUS_HEADER = sql.SQL(
-    "SELECT pg_catalog.current_database(), pg_catalog.clock_timestamp(),"
-    " pg_catalog.split_part(pg_catalog.current_setting('server_version'), ' ', 1)"
-)
+def status_header(schema: str) -> sql.Composed:
+    """``pglock status``'s header: the database, the server's clock, its version, the current
+    role (quoted for a GRANT), USAGE on ``schema`` and SELECT on its name registry (each NULL
+    when missing). Catalog lookups only: it works without any grant."""
+    return sql.SQL(
+        "SELECT pg_catalog.current_database(), pg_catalog.clock_timestamp(),"
+        " pg_catalog.split_part(pg_catalog.current_setting('server_version'), ' ', 1),"
+        " pg_catalog.quote_ident(CURRENT_USER),"
+        " (SELECT pg_catalog.has_schema_privilege(n.oid, 'USAGE')"
+        "  FROM pg_catalog.pg_namespace n WHERE n.nspname = {schema}),"
+        " (SELECT pg_catalog.has_table_privilege(c.oid, 'SELECT') FROM pg_catalog.pg_class c"
+        "  JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
+        "  WHERE n.nspname = {schema} AND c.relname = {table})"
+    ).format(schema=sql.Literal(schema), table=sql.Literal(NAMES_TABLE))
 
 
 def relations_exist(schema: str, relations: Sequence[str]) -> sql.Composed:
-    """One row: are all ``relations`` in ``schema`` (and readable)? A catalog lookup that works
-    without USAGE on the schema."""
+    """One row: are all ``relations`` in ``schema``? A catalog lookup that works without USAGE
+    on the schema (reading them without the grants then fails with SQLSTATE 42501)."""
     return sql.SQL(
         "SELECT count(*) = {n} FROM pg_catalog.pg_class c"
         " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
         " WHERE n.nspname = {schema} AND c.relname = ANY({relations})"
-        " AND pg_catalog.has_schema_privilege(n.oid, 'USAGE')"
-        " AND pg_catalog.has_table_privilege(c.oid, 'SELECT')"
     ).format(
         n=sql.Literal(len(relations)),
         schema=sql.Literal(schema),
@@ -387,8 +394,6 @@ def unlock_if_held(keys: Sequence[int], *, shared: bool) -> sql.Composed:
     )
 
 
-UNLOCK_ALL = sql.SQL("SELECT pg_catalog.pg_advisory_unlock_all()")
-
 # The pool reset hook: one round trip that reports which advisory locks the session still holds
 # (as "key" or "key shared"; two-int4 keys as "classid,objid") and then drops them all. The
 # aggregate subquery is not flattened, so it reads pg_locks completely before the outer
@@ -407,7 +412,7 @@ UNLOCK_ALL_REPORTING = (
 )
 
 
-# --- coordination (issue 5): read-write locks, leader election, singleton jobs, semaphores ---
+# --- coordination: read-write locks, leader election, singleton jobs, semaphores -----------
 # Leader election keeps its session lock with pg_lock's statements above; these are its extras.
 
 
@@ -431,7 +436,7 @@ def leader_session_setup(
     )
 
 
-LEADER_SESSION = sql.SQL(
+LEADER_SESSION = (
     "SELECT pg_catalog.pg_backend_pid(), a.backend_start, pg_catalog.pg_is_in_recovery()"
     " FROM pg_catalog.pg_stat_activity a WHERE a.pid = pg_catalog.pg_backend_pid()"
 )
@@ -476,7 +481,7 @@ def leader_holds(key: int, pid: int, backend_start: object) -> sql.Composed:
     ).format(pid=sql.Literal(pid), key=sql.Literal(key), start=sql.Literal(backend_start))
 
 
-# Semaphores: the functions live in revision pglock_0002 (0002_semaphores.py). Each call is one
+# Semaphores: the functions are in pglock/sql/0002_semaphores.up.sql. Each call is one
 # simple-query round trip with its values as literals, so the acquire can run in an explicit
 # READ COMMITTED transaction (its row lock and its reads must see the latest commits) whatever
 # the session's default isolation is.
@@ -554,9 +559,9 @@ def semaphore_info(schema: str, name: str) -> sql.Composed:
 
 # --- leases (pglock/_lease.py) and the schema install (pglock/_schema.py) -------------------
 #
-# The lease functions themselves live in the shipped revision
-# (pglock/migrations/versions/0001_leases.py); these statements call them. Every call is one
-# statement: one round trip, one commit on an autocommit connection.
+# The lease functions are in pglock/sql/0001_leases.up.sql; these statements call them, and
+# pglock._lease renders them once per schema. Every call is one statement: one round trip, one
+# commit on an autocommit connection.
 
 
 def lease_acquire(schema: str) -> sql.Composed:
@@ -622,12 +627,12 @@ def lease_list(schema: str) -> sql.Composed:
 # statement_timeout or lock_timeout cut short, is sent again inside these: at READ COMMITTED its
 # row locks and reads see the latest commits, so it cannot fail that way again, and the
 # session's timeouts are off for it (the statement's client-side deadline bounds it instead).
-LEASE_RETRY_BEGIN = sql.SQL(
+LEASE_RETRY_BEGIN = (
     "BEGIN ISOLATION LEVEL READ COMMITTED;"
     " SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0"
 )
-LEASE_RETRY_COMMIT = sql.SQL("COMMIT")
-LEASE_RETRY_ROLLBACK = sql.SQL("ROLLBACK")
+LEASE_RETRY_COMMIT = "COMMIT"
+LEASE_RETRY_ROLLBACK = "ROLLBACK"
 
 
 #: The isolation level of the caller's transaction (why a guard() does not see a lease).

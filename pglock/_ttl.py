@@ -28,7 +28,7 @@ logger = logging.getLogger("pglock.ttl")
 #: REPEATABLE READ or SERIALIZABLE default isolation) is sent again, at READ COMMITTED.
 _RETRIES = 5
 _BEGIN, _COMMIT, _ROLLBACK = (
-    s.as_bytes(None)
+    s.encode()
     for s in (_sql.LEASE_RETRY_BEGIN, _sql.LEASE_RETRY_COMMIT, _sql.LEASE_RETRY_ROLLBACK)
 )
 

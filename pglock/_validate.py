@@ -9,8 +9,8 @@ import json
 import math
 from collections.abc import Mapping
 
-#: The longest TTL accepted, in seconds (one day). Longer work renews (keepalive, extend).
-MAX_TTL = 86400.0
+from ._contract import MAX_TTL
+
 #: The largest metadata accepted, in bytes of compact JSON (UTF-8).
 MAX_METADATA_BYTES = 65536
 #: The longest holder id accepted, in UTF-8 bytes.

@@ -1,35 +1,9 @@
-"""The ``pglock`` command (also ``python -m pglock``).
-
-Subcommands:
-
-``pglock install --dsn DSN [--schema S]``
-    Install or upgrade the pglock schema (lease table, token sequence, functions). Idempotent
-    and safe to run concurrently. ``--dsn`` defaults to the ``PGLOCK_DSN`` environment variable.
-
-``pglock status --dsn DSN [NAME ...] [--json] [--watch [SECONDS]] [--schema S] [-v]``
-    Who holds and who waits for advisory locks (by name where pglock took them), and the live
-    leases and semaphores. ``--json`` prints one JSON object per refresh; ``--watch`` refreshes
-    every SECONDS (default 2) until Ctrl-C.
-
-``pglock demo [--dsn DSN] [--workers N] [--jobs N]``
-    Worker processes race for jobs with pglock and without; an embedded Postgres
-    (``pglock[embedded]``) is used unless ``--dsn`` is given.
-
-``pglock --version``
-    The versions of pglock, Python and psycopg.
-
-Exit codes:
-
-* ``0``: success (also when the schema was already up to date, and a ``status --watch`` ended
-  with Ctrl-C);
-* ``1``: the operation failed (server unreachable, permission denied, SQL error);
-* ``2``: bad usage (unknown option, missing DSN, invalid schema name);
-* ``130``: interrupted (Ctrl-C).
-
-Errors are printed as one line on stderr, ``pglock: error: ...``, never as a traceback.
+"""The ``pglock`` command (also ``python -m pglock``): ``install``, ``status``, ``demo``,
+``--version``. docs/reference/cli.md describes each and the exit codes (:data:`EXIT_CODES_HELP`).
 
 Each subcommand is a ``register_<name>(subparsers)`` function that adds its parser and sets
 ``func`` (taking the parsed arguments, returning the exit code); :data:`COMMANDS` lists them.
+Errors are printed as one line on stderr, ``pglock: error: ...``, never as a traceback.
 """
 
 from __future__ import annotations
@@ -44,6 +18,10 @@ from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any, NoReturn
 
+from psycopg.errors import InsufficientPrivilege
+
+from .errors import SchemaNotInstalled
+
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -53,7 +31,8 @@ PROG = "pglock"
 
 EXIT_CODES_HELP = """\
 exit codes:
-  0    success (also a --watch ended with Ctrl-C)
+  0    success (also a --watch ended with Ctrl-C, and a status that showed the advisory
+       locks but not every section: it says which grant or install would show the rest)
   1    the operation failed: cannot connect, the database refused, the demo failed
   2    bad usage: unknown option, missing DSN, invalid name or schema
   130  interrupted (Ctrl-C)
@@ -103,10 +82,11 @@ def register_install(subparsers: argparse._SubParsersAction[_Parser]) -> None:
 
 def cmd_install(args: argparse.Namespace) -> int:
     from . import _schema
+    from ._contract import DEFAULT_SCHEMA, validate_schema
 
-    schema = _schema.DEFAULT_SCHEMA if args.schema is None else args.schema
+    schema = DEFAULT_SCHEMA if args.schema is None else args.schema
     try:
-        _schema.validate_schema(schema)
+        validate_schema(schema)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     dsn = args.dsn or os.environ.get("PGLOCK_DSN")
@@ -180,12 +160,12 @@ def _dsn(args: argparse.Namespace) -> str:
 def cmd_status(args: argparse.Namespace) -> int:
     import psycopg
 
-    from . import _schema
+    from ._contract import DEFAULT_SCHEMA, validate_schema
     from ._keys import normalize_names
 
-    schema = _schema.DEFAULT_SCHEMA if args.schema is None else args.schema
+    schema = DEFAULT_SCHEMA if args.schema is None else args.schema
     try:
-        _schema.validate_schema(schema)
+        validate_schema(schema)
         names = [n for _, n in normalize_names(args.names)] if args.names else None
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
@@ -227,49 +207,80 @@ def _json_default(value: object) -> str:
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
-def status_snapshot(conn: Any, names: list[str] | None, schema: str) -> dict[str, Any]:
-    """What ``pglock status`` shows, as plain data (the ``--json`` document)."""
-    from . import _conn, _inspect, _lease, _sql
-    from .errors import SchemaNotInstalled
+#: Per section beyond the advisory locks: its title, what a role without the grant may not do,
+#: and the grant ({s}: the schema).
+_SECTIONS = {
+    "names": ("Lock names", "read the name registry {s}.lock_names", "SELECT ON {s}.lock_names"),
+    "sessions": ("Sessions of other roles", "see their start, client, query", "pg_read_all_stats"),
+    "leases": ("Leases", "call {s}.leases()", "EXECUTE ON FUNCTION {s}.leases(text)"),
+    "semaphores": (
+        "Semaphores",
+        "read {s}.semaphore and {s}.semaphore_permit",
+        "SELECT ON {s}.semaphore, {s}.semaphore_permit",
+    ),
+}
 
-    info = _conn.fetch(_conn.resolve(conn, "pglock status").conn, _sql.STATUS_HEADER)[0][0]
+
+def _error(section: str, schema: str, role: str | None, usage: bool | None) -> dict[str, Any]:
+    """The ``errors`` entry of a section not shown: the schema is missing (``role`` None) or
+    the role may not read it; ``fix`` says what would show it."""
+    if role is None:
+        message = f"the pglock schema {schema!r} is not installed in this database (or is old)"
+        fix = [f"pglock install --dsn DSN --schema {schema}"]
+        return {"error": "not_installed", "message": message, "fix": fix}
+    _, what, grant = _SECTIONS[section]
+    fix = [f"GRANT {grant.format(s=schema)} TO {role};"]
+    if usage is False and "{s}" in grant:  # objects in the schema need USAGE on it too
+        fix.insert(0, f"GRANT USAGE ON SCHEMA {schema} TO {role};")
+    message = f"role {role} may not {what.format(s=schema)}"
+    return {"error": "permission_denied", "message": message, "fix": fix}
+
+
+def status_snapshot(conn: Any, names: list[str] | None, schema: str) -> dict[str, Any]:
+    """What ``pglock status`` shows, as plain data (the ``--json`` document).
+
+    A section the role may not read (SQLSTATE 42501) or that is not installed is None, with an
+    entry in ``errors``; the advisory locks need no grant, so their errors propagate."""
+    from . import _conn, _inspect, _lease, _sql
+
+    c = _conn.resolve(conn, "pglock status").conn
+    db, now, version, role, usage, registry = _conn.fetch(c, _sql.status_header(schema))[0][0]
     locks = _inspect.advisory_locks(conn, names, schema=schema)
     doc: dict[str, Any] = {
-        "database": info[0],
-        "server_time": info[1],
-        "server_version": info[2],
+        "database": db,
+        "server_time": now,
+        "server_version": version,
         "schema": schema,
-        "schema_installed": True,
+        "schema_installed": usage is not None,
         "advisory_locks": [_lock_doc(lk) for lk in locks],
-        "leases": [],
-        "semaphores": [],
+        "leases": None,
+        "semaphores": None,
+        "errors": {},
     }
-    try:
-        leases = _lease.list_leases(conn, schema=schema)
-    except SchemaNotInstalled:
-        doc["schema_installed"] = False
-        return doc
-    try:
-        sems = _inspect.semaphores(conn, schema=schema)
-    except SchemaNotInstalled:  # installed before the semaphore revision: pglock install
-        sems = []
-    if names is not None:
-        wanted = set(names)
-        leases = [le for le in leases if le.name in wanted]
-        sems = [s for s in sems if s.name in wanted]
-    doc["leases"] = [dataclasses.asdict(le) for le in leases]
-    doc["semaphores"] = [dataclasses.asdict(s) for s in sems]
+    if registry is False or (registry and usage is False):
+        doc["errors"]["names"] = _error("names", schema, role, usage)
+    if any(lk.pid is not None and lk.backend_start is None for lk in locks):
+        doc["errors"]["sessions"] = _error("sessions", schema, role, usage)
+    for section, read in (
+        ("leases", lambda: _lease.list_leases(conn, schema=schema)),
+        ("semaphores", lambda: _inspect.semaphores(conn, schema=schema)),
+    ):
+        try:
+            items = read()
+        except SchemaNotInstalled:  # SQLSTATE 3F000, 42P01, 42883
+            doc["errors"][section] = _error(section, schema, None, usage)
+        except InsufficientPrivilege:  # SQLSTATE 42501
+            doc["errors"][section] = _error(section, schema, role, usage)
+        else:
+            doc[section] = [
+                dataclasses.asdict(x) for x in items if names is None or x.name in names
+            ]
     return doc
 
 
 def _lock_doc(lock: Any) -> dict[str, Any]:
-    doc = dataclasses.asdict(lock)
-    doc["key_pair"] = list(lock.key_pair) if lock.key_pair is not None else None
-    doc["blocked_by"] = list(lock.blocked_by)
-    doc["label"] = lock.label
-    doc["held_for"] = lock.held_for
-    doc["waiting_for"] = lock.waiting_for
-    return doc
+    extra = {"label": lock.label, "held_for": lock.held_for, "waiting_for": lock.waiting_for}
+    return dataclasses.asdict(lock) | extra
 
 
 def _duration(seconds: float | None) -> str:
@@ -303,29 +314,35 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def render_status(snap: dict[str, Any], *, verbose: bool = False) -> str:
     """``pglock status`` as a readable text table."""
-    when = snap["server_time"]
+    when, errors = snap["server_time"], snap["errors"]
     lines = [
         f"pglock status: database {snap['database']!r} (PostgreSQL {snap['server_version']}), "
         f"{when:%Y-%m-%d %H:%M:%S %Z}".rstrip(),
         "",
     ]
     lines += _advisory_section(snap["advisory_locks"], verbose)
-    lines.append("")
-    if not snap["schema_installed"]:
-        lines.append(
-            f"Leases and semaphores: the pglock schema {snap['schema']!r} is not installed "
-            "(pglock install --dsn ...)"
-        )
-        return "\n".join(lines)
-    lines += _lease_section(snap["leases"])
-    lines.append("")
-    lines += _semaphore_section(snap["semaphores"])
+    for section in ("names", "sessions"):
+        if section in errors:
+            lines += ["  " + line for line in _error_lines(section, errors[section])]
+    for section, render in (("leases", _lease_section), ("semaphores", _semaphore_section)):
+        lines.append("")
+        if snap[section] is None:
+            lines += _error_lines(section, errors[section])
+        else:
+            lines += render(snap[section])
     return "\n".join(lines)
+
+
+def _error_lines(section: str, error: dict[str, Any]) -> list[str]:
+    title = _SECTIONS[section][0]
+    return [f"{title}: not shown: {error['message']}; to show them, run:"] + [
+        "    " + fix for fix in error["fix"]
+    ]
 
 
 def _advisory_row(lk: dict[str, Any], same: bool) -> tuple[list[str], bool]:
     """One table row of an advisory lock, and whether its FOR column is an upper bound."""
-    client = lk["client_addr"] or ("local" if lk["pid"] else "")
+    client = lk["client_addr"] or ("local" if lk["backend_start"] else "")  # else: hidden
     if lk["client_addr"] and lk["client_port"]:
         client = f"{client}:{lk['client_port']}"
     bounded = False

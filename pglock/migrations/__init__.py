@@ -1,4 +1,4 @@
-"""pglock's Alembic revisions, shipped inside the package.
+"""pglock's Alembic revisions, shipped inside the package; their SQL is in ``pglock/sql/``.
 
 ``versions/`` holds the revisions of the ``pglock`` branch (branch label ``pglock``). Three ways
 to apply them, all equivalent and all safe to run concurrently:
@@ -15,8 +15,16 @@ The schema name (default ``pglock``) comes from ``config.attributes["pglock_sche
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+from functools import cache
+from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from psycopg import sql
+
+from .._contract import DEFAULT_SCHEMA, validate_schema
 
 #: The directory to add to Alembic's ``version_locations``.
 VERSIONS_DIR = str(Path(__file__).resolve().parent / "versions")
@@ -24,7 +32,49 @@ VERSIONS_DIR = str(Path(__file__).resolve().parent / "versions")
 #: The Alembic branch label of pglock's revisions: ``alembic upgrade pglock@head``.
 BRANCH_LABEL = "pglock"
 
-__all__ = ["BRANCH_LABEL", "VERSIONS_DIR", "alembic_execute", "alembic_schema"]
+__all__ = [
+    "BRANCH_LABEL",
+    "VERSIONS_DIR",
+    "alembic_execute",
+    "alembic_schema",
+    "sql_file",
+    "statements",
+]
+
+# What a statement's ";" can hide behind: dollar quotes, string literals, comments.
+_TOKEN = re.compile(r"\$(\w*)\$.*?\$\1\$|'(?:[^']|'')*'|--[^\n]*|;", re.DOTALL)
+# Blank lines and comment lines before a statement (not sent).
+_LEADING = re.compile(r"\A(?:\s*--[^\n]*)*\s*")
+
+
+def sql_file(name: str) -> str:
+    """The text of ``pglock/sql/<name>.sql`` (``name`` such as ``0001_leases.up``)."""
+    return (resources.files("pglock") / "sql" / f"{name}.sql").read_text("utf-8")
+
+
+@cache
+def split(name: str) -> tuple[str, ...]:
+    """The statements of ``pglock/sql/<name>.sql``, in order (see :func:`_split_text`)."""
+    return tuple(_split_text(sql_file(name)))
+
+
+def _split_text(text: str) -> list[str]:
+    """Each statement ends with ``;`` outside quotes and comments; comments between
+    statements are dropped."""
+    found: list[str] = []
+    start = 0
+    for match in _TOKEN.finditer(text):
+        if match.group() == ";":
+            found.append(_LEADING.sub("", text[start : match.start()], count=1).rstrip())
+            start = match.end()
+    if _LEADING.sub("", text[start:], count=1):
+        raise ValueError("SQL text ends with a statement without ';'")
+    return found
+
+
+def statements(name: str, names: Mapping[str, sql.Composable]) -> list[sql.Composed]:
+    """The statements of ``pglock/sql/<name>.sql`` with their ``{placeholders}`` filled."""
+    return [sql.SQL(text).format(**names) for text in split(name)]
 
 
 def alembic_schema() -> str:
@@ -34,8 +84,6 @@ def alembic_schema() -> str:
     ``pglock_schema`` ini option, in that order; ``pglock`` when none is set.
     """
     from alembic import context
-
-    from .._schema import DEFAULT_SCHEMA, validate_schema
 
     config = context.config
     value = config.attributes.get("pglock_schema")

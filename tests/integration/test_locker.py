@@ -177,8 +177,8 @@ def test_bad_locker_arguments(source: Any, kwargs: Any, error: type[Exception]) 
 @pytest.mark.parametrize("schema", ["Bad", "pg_locks", "a" * 64, "1x", "x-y", "x\x00"])
 def test_locker_refuses_the_schemas_the_installer_refuses_with_its_message(schema: str) -> None:
     # At construction, before any SQL (the DSN points nowhere), with the same message as
-    # pglock._schema.validate_schema, which pglock install, lease() and semaphore() use.
-    from pglock._schema import validate_schema
+    # pglock._contract.validate_schema, which pglock install, lease() and semaphore() use.
+    from pglock._contract import validate_schema
 
     with pytest.raises(ValueError) as expected:
         validate_schema(schema)

@@ -81,16 +81,6 @@ def permit_rows(conn: psycopg.Connection[Any], schema: str, name: str) -> list[t
     ).fetchall()
 
 
-def test_channel_matches_the_revision() -> None:
-    import importlib
-
-    rev = importlib.import_module("pglock.migrations.versions.0002_semaphores")
-    for schema in ("pglock", "x" * 63, "app_locks"):
-        assert rev.notify_channel(schema) == _semaphore.semaphore_channel(schema)
-        assert len(_semaphore.semaphore_channel(schema).encode()) <= 63
-    assert rev.LIMIT_MISMATCH == _semaphore.LIMIT_MISMATCH
-
-
 def test_revision_round_trip(pg_dsn: str) -> None:
     """pglock_0002 downgrades cleanly (after the revisions above it), leaves the leases alone,
     installs again, and re-running its statements is harmless."""

@@ -47,7 +47,7 @@ def test_one_default_sentinel_with_a_readable_repr() -> None:
             pglock.Lease.acquire,
             pglock.RWLock.read,
             pglock.RWLock.write,
-            pglock.Locker.lock,
+            pglock.PoolLock.acquire,  # Locker.lock forwards PoolLockOptions (timeout)
         )
     }
     assert len(defaults) == 1

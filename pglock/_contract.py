@@ -1,0 +1,79 @@
+"""The database contract: what pglock's Python code and its installed SQL must agree on.
+
+Schema names, NOTIFY channels, pglock's own SQLSTATEs, the maximum TTL and the install-lock
+key. A leaf module (it imports nothing from pglock), so revisions and runtime code share it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+#: The schema pglock installs into unless told otherwise.
+DEFAULT_SCHEMA = "pglock"
+
+#: Schema names pglock accepts: plain lower-case identifiers that need no quoting and are not
+#: truncated by Postgres (63 bytes at most).
+SCHEMA_PATTERN = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+#: The longest TTL the functions accept, in seconds (one day). Longer work renews.
+MAX_TTL = 86400
+
+#: SQLSTATE of ``semaphore_acquire`` when the caller's limit differs from the stored one
+#: (class ``PG``: pglock's own).
+LIMIT_MISMATCH = "PGL01"
+
+#: The name registry (pglock._registry): ``<schema>.lock_names``, key -> the name pglock took
+#: it for; used only while the table's comment starts with ``NAMES_MARKER`` (revision 0003).
+NAMES_TABLE = "lock_names"
+NAMES_MARKER = "pglock name registry"
+
+#: Postgres identifiers (and so NOTIFY channels) are at most this many bytes.
+_MAX_IDENTIFIER_BYTES = 63
+
+
+def validate_schema(schema: object) -> str:
+    """Return ``schema`` if it is a plain lower-case identifier, else raise.
+
+    Accepted: ``^[a-z_][a-z0-9_]{0,62}$`` (so no quoting, no case folding, no truncation, no
+    injection), and not a ``pg_`` name (reserved by Postgres for system schemas).
+
+    :raises TypeError: not a ``str``.
+    :raises ValueError: anything else.
+    """
+    if not isinstance(schema, str):
+        raise TypeError(f"schema must be a str, not {type(schema).__name__}")
+    if not SCHEMA_PATTERN.fullmatch(schema):
+        raise ValueError(
+            f"invalid schema name {schema!r}: use 1 to 63 characters from a-z, 0-9 and _, "
+            "not starting with a digit (for example 'pglock')"
+        )
+    if schema.startswith("pg_"):
+        raise ValueError(f"invalid schema name {schema!r}: names starting with pg_ are reserved")
+    return schema
+
+
+def _channel(schema: str, suffix: str) -> str:
+    # The schema part is cut (in UTF-8 bytes, on a character boundary) so that the channel
+    # fits an identifier: pg_notify() refuses a longer one.
+    head = schema.encode("utf-8")[: _MAX_IDENTIFIER_BYTES - len(suffix)]
+    return head.decode("utf-8", "ignore") + suffix
+
+
+def lease_channel(schema: str) -> str:
+    """The NOTIFY channel of lease releases in ``schema`` (``<schema>_lease``); payload: the
+    lease name."""
+    return _channel(schema, "_lease")
+
+
+def semaphore_channel(schema: str) -> str:
+    """The NOTIFY channel of semaphore releases in ``schema`` (``<schema>_semaphore``);
+    payload: the semaphore name."""
+    return _channel(schema, "_semaphore")
+
+
+def install_lock_key(schema: str) -> int:
+    """The advisory-lock key that serializes installs of ``schema``: the lock-name key
+    (``pglock._keys.key``) of ``pglock:install:<schema>``."""
+    digest = hashlib.sha256(f"pglock:install:{schema}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
