@@ -973,7 +973,7 @@ def test_resume_takes_a_live_handle_over_and_the_old_handle_releases_nothing(
     resumed = pglock.lease(pool, name, holder=first.holder, resume=True, ttl=5)
     assert resumed.acquire()
     assert resumed.token == first.token
-    assert lost == [first] and first.lost
+    assert wait_until(lambda: lost, 5) == [first] and first.lost  # on_lost: pglock's thread
     with pytest.raises(pglock.LockLost):
         first.release()
     row = row_of(admin, name)
