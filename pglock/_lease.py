@@ -1,52 +1,42 @@
-"""TTL leases: ``Lease`` (a row per name in the pglock schema, with a fencing token), its
-argument checks, and ``lease_info``/``list_leases``.
-
-The database decides: ``<schema>.acquire(...)`` grants, renews or refuses in one statement, on
-``clock_timestamp()``. The shared TTL-row client (``_ttl.py``) sends the statements, waits and
-renews; this module holds the lease's hooks (its attempt, the batch renewal, the release),
-``guard()`` and the one-handle-per-holder-id rule. docs/how-it-works.md has the design.
-"""
+"""TTL leases: :class:`Lease` (a row per name in the pglock schema, with a fencing token) and
+its factory :func:`lease`. The design is in docs/how-it-works.md, "Leases and semaphores"."""
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import json
 import logging
 import math
-import os
 import random
-import socket
 import sys
 import threading
 import time
-import uuid
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
-from typing import TYPE_CHECKING, Any, TypedDict
+from enum import Enum
+from typing import Any, TypedDict
 
-import psycopg
-from psycopg import sql
-from psycopg.pq import TransactionStatus
-
-from . import _conn, _sql, _ttl
-from ._classify import HELD, SOURCES, classify
+from . import _base, _claims, _ttl
+from ._claims import default_holder
 from ._contract import DEFAULT_SCHEMA, MAX_TTL, lease_channel, validate_schema
 from ._deadline import NoAnswer
-from ._keys import DEFAULT as _DEFAULT
 from ._keys import validate_flag, validate_name, validate_timeout
-from ._source import (
-    ANSWER_GRACE,
-    SHORT_DEADLINE,
-    WAIT_CHUNK,
-    Source,
-    short_deadline,
+from ._lease_rows import (
+    LEASES,
+    Due,
+    Grant,
+    LeaseInfo,
+    Released,
+    Renewal,
+    fence,
+    lease_info,
+    list_leases,
+    make_source,
+    renew_many,
+    run_once_more,
 )
-from ._source import count as _count
-from ._source import make_source as _make_source
-from ._source import statements as _statements
+from ._lease_rows import run as _run
+from ._source import ANSWER_GRACE, WAIT_CHUNK, short_deadline
 from ._validate import (
     MAX_HOLDER_BYTES,
     MAX_METADATA_BYTES,
@@ -54,15 +44,7 @@ from ._validate import (
     validate_holder,
     validate_ttl,
 )
-from .errors import (
-    HolderInUse,
-    InvalidConnectionState,
-    LockLost,
-    LockNotAcquired,
-)
-
-if TYPE_CHECKING:
-    from typing_extensions import Self
+from .errors import HolderInUse, LockLost, LockNotAcquired
 
 if sys.version_info >= (3, 11):
     from typing import Unpack
@@ -74,129 +56,18 @@ logger = logging.getLogger("pglock.lease")
 #: Wake this much after the holder's expiry, so the server sees it expired.
 _EXPIRY_MARGIN = 0.002
 
-_NEW, _HELD, _RELEASED = "new", "held", "released"
-
-#: Leases, to the shared TTL-row client.
-LEASES = _ttl.Rows("lease", lease_channel)
-
-#: Statements sent, by kind ("acquire", "extend", "extend_many", "release", "guard", "ping",
-#: ...): for tests and benchmarks that count round trips (kept in ``_source.py``).
-statements = _statements
 
 
-# --- validation --------------------------------------------------------------------------------
+class State(Enum):
+    """Where a lease handle is: never acquired (or given up), held, known lost, released."""
+
+    NEW = "new"
+    HELD = "held"
+    LOST = "lost"
+    RELEASED = "released"
 
 
-_holder_prefix: tuple[int, str] | None = None
-_holder_count = itertools.count(1)
-
-
-def default_holder() -> str:
-    """A holder id unique to one :class:`Lease`: ``<host>:<pid>:<random hex>-<n>`` (the random
-    part is drawn once per process, the counter makes each handle's id its own)."""
-    global _holder_prefix
-    pid = os.getpid()
-    if _holder_prefix is None or _holder_prefix[0] != pid:
-        _holder_prefix = (pid, f"{socket.gethostname()[:64]}:{pid}:{uuid.uuid4().hex[:16]}")
-    return f"{_holder_prefix[1]}-{next(_holder_count)}"
-
-
-# --- compiled statements (rendered once per schema; psycopg caches their parsing) ------------
-
-
-_STATEMENTS: dict[str, Callable[[str], sql.Composed]] = {
-    "acquire": _sql.lease_acquire,
-    "extend": _sql.lease_extend,
-    "extend_many": _sql.lease_extend_many,
-    "release": _sql.lease_release,
-    "guard": _sql.lease_guard,
-    "info": _sql.lease_info,
-    "list": _sql.lease_list,
-}
-
-
-@lru_cache(maxsize=64)
-def _stmt(kind: str, schema: str) -> bytes:
-    return _STATEMENTS[kind](schema).as_bytes(None)
-
-
-# --- sources -----------------------------------------------------------------------------------
-
-
-def _run(
-    source: Source,
-    kind: str,
-    schema: str,
-    params: tuple[Any, ...],
-    timeout: float | None = None,
-    deadline: float | None = None,
-) -> list[tuple[Any, ...]]:
-    """Send one lease statement and return its rows (see :func:`_run_once_more`)."""
-    return _run_once_more(source, kind, schema, params, timeout, deadline)[0]
-
-
-def _run_once_more(
-    source: Source,
-    kind: str,
-    schema: str,
-    params: tuple[Any, ...],
-    timeout: float | None = None,
-    deadline: float | None = None,
-) -> tuple[list[tuple[Any, ...]], bool]:
-    """Send one lease statement; return its rows and whether it was sent a second time
-    (:func:`_ttl.run`, which says what ``timeout`` and ``deadline`` are).
-
-    That is safe: every lease statement is idempotent per holder (an acquire by the same
-    holder re-enters keeping the token; extend and release name the holder and the token), so
-    a first attempt that did commit before its connection died changes nothing but the answer
-    of a release.
-    """
-    return _ttl.run(
-        LEASES, source, kind, schema, _stmt(kind, schema), params,
-        binary=kind == "extend_many", timeout=timeout, deadline=deadline,
-    )
-
-
-def make_source(source: object) -> Source:
-    """Resolve a lease source without sending any SQL.
-
-    :raises TypeError: not a supported source.
-    :raises ValueError: an empty or unparsable DSN string.
-    """
-    return _make_source(source, "lease")
-
-
-# --- one live handle per holder id ---------------------------------------------------------------
-
-
-#: The handle of each (database, schema, name, holder id) that is acquiring, holding or
-#: releasing it in this process (see :meth:`Lease._claim`).
-_claims: dict[tuple[Any, ...], weakref.ref[Lease]] = {}
-_claims_lock = threading.Lock()
-#: Prune the claims of collected handles (a lost lease dropped without a release) when there
-#: are more than this many; it doubles with the live ones.
-_claims_prune_at = 1024
-
-
-def _prune_claims() -> None:
-    """With ``_claims_lock`` held: forget the claims of handles that were collected."""
-    global _claims_prune_at
-    if len(_claims) <= _claims_prune_at:
-        return
-    for key in [k for k, ref in _claims.items() if ref() is None]:
-        del _claims[key]
-    _claims_prune_at = max(1024, 2 * len(_claims))
-
-
-def _after_fork_in_child() -> None:
-    # The parent's leases stay the parent's (the child must not renew or release them).
-    global _claims_lock
-    _claims.clear()
-    _claims_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+_NEW, _HELD, _LOST, _RELEASED = State.NEW, State.HELD, State.LOST, State.RELEASED
 
 
 #: Close what pglock opened for leases and semaphores (:func:`_ttl.shutdown`).
@@ -206,42 +77,26 @@ shutdown = _ttl.shutdown
 # --- the public API ----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class LeaseInfo:
-    """A live lease as the database sees it (from :func:`lease_info`, :func:`list_leases`).
-
-    :ivar expires_in: seconds left at the time of the query, on the database clock.
-    """
-
-    name: str
-    holder: str
-    token: int
-    acquired_at: datetime
-    expires_at: datetime
-    metadata: Any
-    expires_in: float
-
-
-class Lease(_ttl.Held):
+class Lease(_base.BaseLock, _ttl.Held):
     """A TTL lease on a name, with a fencing token; see :func:`lease`.
 
     Thread safety: a ``Lease`` may be shared between threads (``check()``, ``guard()`` and the
     properties are safe from any thread; ``acquire``/``release``/``extend`` are serialized).
     pglock's keepalive renews it in the background.
 
-    One holder id, one handle: in a process, at most one handle of a holder id may be
-    acquiring, holding or releasing a lease (same database, schema and name). A second handle
-    with the same holder id is **refused** with :class:`pglock.errors.HolderInUse` before any
-    SQL, not shared by counted re-entry: the server re-enters a holder id, so two handles
-    would both be "granted" and the release of one would end the lease under the other. A
-    handle whose lease was lost does not count (the new handle supersedes it: its release
-    sends nothing). ``resume=True`` takes a live lease over from the first handle, which then
-    reports it lost (``on_lost``) and releases nothing. The database is told apart by host,
-    port and database name as written in the source (``localhost`` and ``127.0.0.1`` count as
-    two databases).
+    One holder id, one handle: in a process, a second handle of a holder id on a lease (same
+    database, schema and name) is refused with :class:`pglock.errors.HolderInUse` before any
+    SQL, unless the first one's lease was lost; ``resume=True`` takes a live lease over from
+    the first handle, which then reports it lost (docs/leases.md, "Taking a lease").
 
-    ``acquire()`` returns True only for a grant whose answer arrived before the grant's
-    client deadline (send time + ``ttl``); a later one is given back, never believed.
+    ``acquire(blocking=True, timeout=<the lease's timeout>) -> bool`` follows the lock
+    contract (docs/locks.md). It returns True only for a grant whose answer arrived before the
+    grant's client deadline (send time + ``ttl``); a later one is given back, never believed.
+    An acquire that gets no answer by ``timeout + ANSWER_GRACE`` (1 s) returns False. It raises
+    :class:`RuntimeError` when this handle already holds the lease, :class:`HolderInUse`
+    (before any SQL) when another live handle of the process has its holder id, and
+    :class:`pglock.LockLost` for ``resume=True`` (which never waits) when no live lease of the
+    holder exists.
     """
 
     def __init__(
@@ -285,7 +140,6 @@ class Lease(_ttl.Held):
         self._op = threading.Lock()  # acquire / release / extend, one at a time
         self._lock = threading.Lock()  # the fields below
         self._state = _NEW
-        self._lost = False
         self._lost_reason = ""
         self._gen = 0
         self._token: int | None = None
@@ -353,124 +207,116 @@ class Lease(_ttl.Held):
     def locked(self) -> bool:
         """True while held and not lost (the client deadline has not passed)."""
         with self._lock:
-            return self._state == _HELD and not self._lost and time.monotonic() < self._deadline
+            return self._state is _HELD and time.monotonic() < self._deadline
 
     @property
     def lost(self) -> bool:
         """True when the lease was held and is known lost (or its client deadline passed)."""
         with self._lock:
-            return self._state == _HELD and (self._lost or time.monotonic() >= self._deadline)
+            return self._lost_now()
+
+    def _lost_now(self) -> bool:
+        return self._state is _LOST or (
+            self._state is _HELD and time.monotonic() >= self._deadline
+        )
 
     def __repr__(self) -> str:
-        with self._lock:
-            state = "lost" if self._state == _HELD and self._lost else self._state
-        return f"<pglock.Lease {self._name!r} {state} token={self._token}>"
+        return f"<pglock.Lease {self._name!r} {self._state.value} token={self._token}>"
 
     # -- acquire -----------------------------------------------------------------------------
 
-    def acquire(self, blocking: bool = True, timeout: float | None = _DEFAULT) -> bool:
-        """Take the lease; return True when granted, False when not granted in time.
+    def _acquire(self, timeout: float | None) -> bool:
+        waits = self._waiters()
+        gen = waits.enter()
+        try:
+            with self._op:
+                granted = not waits.closed(gen) and self._acquire_now(
+                    timeout, lambda: waits.closed(gen)
+                )
+        finally:
+            waits.leave()
+        if granted and waits.closed(gen):
+            # close() ran meanwhile: nobody waits for this grant any more (a failed release is
+            # logged; the row then ends at its TTL).
+            with contextlib.suppress(Exception):
+                self.release()
+            self._why_not = "close() was called"
+            return False
+        return granted
 
-        True means granted *and* still within the grant's client deadline (send time of the
-        acquire + ttl) when the answer arrived: a grant that arrives later is given back and
-        the wait goes on, or False is returned. An acquire that gets no answer by ``timeout +``
-        ``ANSWER_GRACE`` (1 s; a silent network) returns False; a grant it may have made
-        expires at its TTL.
+    def _acquire_now(self, timeout: float | None, closed: _ttl.Closed) -> bool:
+        self._forget_lost()
+        _claims.claim(self, resume=self._resume, in_use=self._in_use)
+        granted = False
+        try:
+            self._why_not = None
+            if self._resume:
+                granted = self._do_resume()
+            elif timeout == 0:
+                granted = self._attempt_once()
+            else:
+                granted = self._wait_and_acquire(timeout, closed)
+            return granted
+        finally:
+            if not granted:
+                _claims.unclaim(self)
 
-        :param blocking: False tries once (same as ``timeout=0``).
-        :param timeout: seconds to wait; ``None`` waits forever; omitted uses the timeout given
-            to :func:`lease`. Ignored for ``resume=True``, which never waits.
-        :raises RuntimeError: this handle already holds the lease.
-        :raises pglock.errors.HolderInUse: another live handle of this process has the same
-            holder id on this lease (before any SQL).
-        :raises pglock.LockLost: ``resume=True`` and no live lease of this holder exists.
-        :raises pglock.SchemaNotInstalled: the database has no lease schema.
-        """
-        validate_flag(blocking, "blocking")
-        timeout = self._timeout if timeout is _DEFAULT else validate_timeout(timeout)
-        if not blocking:
-            if timeout not in (None, 0):
-                raise ValueError("can't specify a timeout for a non-blocking acquire")
-            timeout = 0.0
-        with self._op:
-            with self._lock:
-                held = self._state == _HELD
-                valid = held and not self._lost and time.monotonic() < self._deadline
-            if valid:
+    def _forget_lost(self) -> None:
+        """Refuse a second acquire of a held handle; a lost one may be taken again."""
+        with self._lock:
+            state = self._state
+            if state is _HELD and time.monotonic() < self._deadline:
                 raise RuntimeError(f"this lease handle for {self._name!r} is already held")
-            if held:
-                # A lost lease may be taken again without releasing it first.
-                self._lose("its TTL ran out before a renewal succeeded")
-                with self._lock:
-                    self._state = _NEW
-            self._claim()
-            granted = False
-            try:
-                self._why_not = None
-                if self._resume:
-                    granted = self._do_resume()
-                elif timeout == 0:
-                    granted = self._attempt_once()
-                else:
-                    granted = self._wait_and_acquire(timeout)
-                return granted
-            finally:
-                if not granted:
-                    self._unclaim()
-
-    # -- one live handle per holder id -------------------------------------------------------
-
-    def _claim(self) -> None:
-        """Make this handle the one of its holder id on this lease in the process, before any
-        SQL; raise :class:`HolderInUse` if another handle is acquiring, holding (live) or
-        releasing it. A lost handle is superseded (its release sends nothing); so is a live
-        one when this handle resumes (it is then lost)."""
-        superseded: Lease | None = None
-        with _claims_lock:
-            other_ref = _claims.get(self._claim_key)
-            other = None if other_ref is None else other_ref()
-            if other is not None and other is not self:
-                with other._lock:
-                    live = other._state != _HELD or not (
-                        other._lost or time.monotonic() >= other._deadline
-                    )
-                    if live and not (self._resume and other._state == _HELD):
-                        raise HolderInUse(
-                            self._name, holder=self._holder, schema=self._schema
-                        )
-                    other._superseded = True
-                superseded = other if live else None
-            _claims[self._claim_key] = weakref.ref(self)
-            _prune_claims()
+        if state in (_HELD, _LOST):
+            self._lose("its TTL ran out before a renewal succeeded")
             with self._lock:
-                self._superseded = False
-        if superseded is not None:
-            superseded._lose(
-                "another handle of this process resumed it with the same holder id"
-            )
+                self._state = _NEW
 
-    def _unclaim(self) -> None:
-        with _claims_lock:
-            ref = _claims.get(self._claim_key)
-            if ref is not None and ref() is self:
-                del _claims[self._claim_key]
+    def _outstanding(self) -> bool:
+        return self._state in (_HELD, _LOST)
+
+    def _not_acquired(self) -> LockNotAcquired:
+        info = ""
+        if self._why_not is not None:
+            info = f": {self._why_not}"
+        elif self._refused is not None and self._refused[0] is not None:
+            info = f": held by {self._refused[0]!r} until {self._refused[1]}"
+        within = "" if self._timeout is None else f" within {self._timeout:.2f} s"
+        return LockNotAcquired(
+            self._name, timeout=self._timeout,
+            message=f"could not acquire lease {self._name!r}{within}{info}",
+        )
+
+    def _wake(self) -> None:
+        _ttl.wake(self._qkey, None)
+
+    def _send(
+        self, kind: str, *params: Any, timeout: float | None = None, deadline: float | None = None
+    ) -> list[tuple[Any, ...]]:
+        """One statement of this lease: (name, holder, *params); a statement that waits for
+        nothing is cut off at :func:`short_deadline`."""
+        deadline = short_deadline(self._ttl) if deadline is None else deadline
+        args = (self._name, self._holder, *params)
+        return _run(self._source, kind, self._schema, args, timeout=timeout, deadline=deadline)
+
+    def _in_use(self) -> HolderInUse:
+        return HolderInUse(self._name, holder=self._holder, schema=self._schema)
+
+    def _claim_state(self) -> tuple[bool, bool]:
+        return not self._lost_now(), self._state is _HELD
 
     # -- acquiring ---------------------------------------------------------------------------
 
-    def _attempt(self, wait: float | None) -> tuple[Any, ...] | None:
+    def _attempt(self, wait: float | None) -> Grant | None:
         """One acquire statement, asking the server to wait ``wait`` seconds at most (None:
         ``WAIT_CHUNK``). Returns its row plus the monotonic send and receive times, or None
         when it got no answer by ``wait + ANSWER_GRACE`` (it was cut off)."""
         wait = WAIT_CHUNK if wait is None else min(wait, WAIT_CHUNK)
         sent = time.monotonic()
         try:
-            rows = _run(
-                self._source,
-                "acquire",
-                self._schema,
-                (self._name, self._holder, self._ttl, self._metadata_json, wait, self._durable),
-                timeout=wait or None,
-                deadline=sent + wait + ANSWER_GRACE,
+            rows = self._send(
+                "acquire", self._ttl, self._metadata_json, wait, self._durable,
+                timeout=wait or None, deadline=sent + wait + ANSWER_GRACE,
             )
         except NoAnswer as exc:
             self._why_not = (
@@ -479,43 +325,41 @@ class Lease(_ttl.Held):
             )
             logger.warning("acquiring lease %r: %s: %s", self._name, self._why_not, exc)
             return None
-        row = (*rows[0], sent, time.monotonic())
-        if not row[0]:
-            self._refused = (row[1], row[4])
+        row = Grant._make((*rows[0], sent, time.monotonic()))
+        if not row.granted:
+            self._refused = (row.holder, row.expires_at)
         return row
 
     def _attempt_once(self) -> bool:
         row = self._attempt(0.0)
         if row is None:
             return False
-        if row[0]:
+        if row.granted:
             return self._granted(row)
-        logger.debug("lease %r is held by %r until %s", self._name, row[1], row[4])
+        logger.debug("lease %r is held by %r until %s", self._name, row.holder, row.expires_at)
         return False
 
-    def _granted(self, row: tuple[Any, ...]) -> bool:
+    def _granted(self, row: Grant) -> bool:
         """Believe a grant, if its answer came before its client deadline; else give it back
         (best effort) and return False."""
-        _granted, _holder, token, acquired_at, expires_at, _server, sent, received = row
-        if received >= sent + self._ttl:
-            self._give_back(token, received - sent)
+        if row.received >= row.sent + self._ttl:
+            self._give_back(row.token, row.received - row.sent)
             return False
         with self._lock:
             self._state = _HELD
-            self._lost = False
             self._lost_reason = ""
             self._gen += 1
-            self._token = token
-            self._acquired_at = acquired_at
-            self._expires_at = expires_at
-            self._sent_at = sent
-            self._deadline = sent + self._ttl
+            self._token = row.token
+            self._acquired_at = row.acquired_at
+            self._expires_at = row.expires_at
+            self._sent_at = row.sent
+            self._deadline = row.sent + self._ttl
             self._retry_at = None
-        logger.debug("acquired lease %r (token %s)", self._name, token)
+        logger.debug("acquired lease %r (token %s)", self._name, row.token)
         _ttl.register(self)
         return True
 
-    def _give_back(self, token: int, took: float) -> None:
+    def _give_back(self, token: int | None, took: float) -> None:
         """A grant whose answer came after its client deadline: this handle never believes
         it. Release it now (the statement is idempotent per holder) so nobody waits a TTL."""
         self._why_not = (
@@ -524,67 +368,54 @@ class Lease(_ttl.Held):
         )
         logger.info("lease %r: %s", self._name, self._why_not)
         try:
-            _run(
-                self._source,
-                "release",
-                self._schema,
-                (self._name, self._holder, token),
-                deadline=short_deadline(self._ttl),
-            )
+            self._send("release", token)
         except Exception as exc:
             logger.info(
                 "giving back the late grant of lease %r failed (it expires at its TTL): %r",
                 self._name, exc,
             )
 
-    def _wait_and_acquire(self, timeout: float | None) -> bool:
+    def _wait_and_acquire(self, timeout: float | None, closed: _ttl.Closed) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         granted = _ttl.wait(
             LEASES, self._source, self._schema, self._name, None, deadline,
-            self._try_once, self._local_wake,
+            self._try_once, self._local_wake, closed,
         )
         return granted is not None
 
     def _try_once(self, wait: float | None) -> _ttl.Attempt:
         """One attempt of a waiter (the head of this process's queue for the name)."""
         row = self._attempt(wait)
-        if row is not None and row[0] and self._granted(row):
+        if row is not None and row.granted and self._granted(row):
             return True, False, None
-        return None, row is not None and not row[0], self._wake_after(row)
+        return None, row is not None and not row.granted, self._wake_after(row)
 
     def _local_wake(self, local: Lease | None) -> float | None:
         """When to look again while a lease of this process holds the name (None: now)."""
         if local is None or local is self:
             return None
         with local._lock:
-            if local._state == _HELD and not local._lost:
+            if local._state is _HELD:
                 return local._deadline + _EXPIRY_MARGIN
-            if local._state == _RELEASED:
+            if local._state is _RELEASED:
                 # Its release is in flight; its end wakes us (a short safety net).
                 return time.monotonic() + 1.0
         return None
 
     @staticmethod
-    def _wake_after(row: tuple[Any, ...] | None) -> float:
+    def _wake_after(row: Grant | None) -> float:
         """When to try again after an attempt that did not grant: just after the holder's
         expiry on the server clock, or after a short jittered pause (contention, a grant
         given back, no answer)."""
-        if row is not None and not row[0] and row[4] is not None and row[5] is not None:
-            left = max(0.0, float((row[4] - row[5]).total_seconds()))
-            received: float = row[7]
-            return received + left + _EXPIRY_MARGIN
+        if row is not None and not row.granted and row.expires_at and row.server_time:
+            left = max(0.0, float((row.expires_at - row.server_time).total_seconds()))
+            return row.received + left + _EXPIRY_MARGIN
         return time.monotonic() + random.uniform(0.005, 0.02)
 
     def _do_resume(self) -> bool:
         sent = time.monotonic()
         try:
-            rows = _run(
-                self._source,
-                "extend",
-                self._schema,
-                (self._name, self._holder, None, self._ttl, self._durable),
-                deadline=short_deadline(self._ttl),
-            )
+            rows = self._send("extend", None, self._ttl, self._durable)
         except NoAnswer as exc:
             self._why_not = "the database gave no answer to the resume in time"
             logger.warning("resuming lease %r: %s: %s", self._name, self._why_not, exc)
@@ -596,14 +427,16 @@ class Lease(_ttl.Held):
                 reason=f"cannot resume: no live lease is held by {self._holder!r} (it expired, "
                 "was released, or another holder has it)",
             )
-        token, acquired_at, expires_at, metadata = rows[0]
+        token, acquired_at, expires_at, metadata = Renewal._make(rows[0])
         if received >= sent + self._ttl:
             # Not believed, and not given back either: a later resume can still re-attach.
             self._why_not = "the resume's answer arrived after its ttl had run out"
             logger.info("lease %r: %s", self._name, self._why_not)
             return False
         self._metadata = metadata
-        self._granted((True, self._holder, token, acquired_at, expires_at, None, sent, received))
+        self._granted(
+            Grant(True, self._holder, token, acquired_at, expires_at, None, sent, received)
+        )
         logger.info("resumed lease %r (token %s)", self._name, token)
         return True
 
@@ -620,12 +453,12 @@ class Lease(_ttl.Held):
             its TTL).
         """
         with self._op:
-            with _claims_lock, self._lock:
-                if self._state != _HELD:
+            with _claims.lock, self._lock:
+                if self._state not in (_HELD, _LOST):
                     raise RuntimeError(f"release of a lease that is not held: {self._name!r}")
+                was_lost, reason = self._state is _LOST, self._lost_reason
                 self._state = _RELEASED
                 self._gen += 1
-                was_lost, reason = self._lost, self._lost_reason
                 token = self._token
                 superseded = self._superseded
             if superseded:
@@ -635,7 +468,7 @@ class Lease(_ttl.Held):
                     reason=reason or "another handle of this process took it over",
                 )
             try:
-                rows, again = _run_once_more(
+                rows, again = run_once_more(
                     self._source, "release", self._schema, (self._name, self._holder, token),
                     deadline=short_deadline(self._ttl),
                 )
@@ -647,8 +480,8 @@ class Lease(_ttl.Held):
                 )
                 raise
             finally:
-                self._unclaim()
-            status, notified = rows[0]
+                _claims.unclaim(self)
+            status, notified = Released._make(rows[0])
             _ttl.unregister(self, notified=bool(notified))
             if status == "released":
                 logger.debug("released lease %r (token %s)", self._name, token)
@@ -665,41 +498,6 @@ class Lease(_ttl.Held):
             elif not was_lost:
                 reason = "it was no longer held by this holder (expired and taken over)"
             raise LockLost(self._name, reason=reason)
-
-    def __enter__(self) -> Self:
-        if not self.acquire():
-            info = ""
-            if self._why_not is not None:
-                info = f": {self._why_not}"
-            elif self._refused is not None and self._refused[0] is not None:
-                info = f": held by {self._refused[0]!r} until {self._refused[1]}"
-            raise LockNotAcquired(
-                self._name,
-                timeout=self._timeout,
-                message=(
-                    f"could not acquire lease {self._name!r}"
-                    + ("" if self._timeout is None else f" within {self._timeout:.2f} s")
-                    + info
-                ),
-            )
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        with self._lock:
-            held = self._state == _HELD
-        if not held:
-            return
-        if exc is None:
-            self.release()
-            return
-        try:
-            self.release()
-        except Exception:
-            # Never mask the body's exception with a release problem.
-            logger.warning(
-                "releasing lease %r after the block raised %r failed", self._name, exc,
-                exc_info=True,
-            )
 
     # -- while held --------------------------------------------------------------------------
 
@@ -730,12 +528,8 @@ class Lease(_ttl.Held):
             sent = time.monotonic()
             try:
                 # An answer after the current deadline could not bring the lease back.
-                rows = _run(
-                    self._source,
-                    "extend",
-                    self._schema,
-                    (self._name, self._holder, token, new_ttl, self._durable),
-                    deadline=max(deadline, sent + 0.05),
+                rows = self._send(
+                    "extend", token, new_ttl, self._durable, deadline=max(deadline, sent + 0.05)
                 )
             except NoAnswer:
                 self._lose("extend got no answer before the lease's client deadline", gen=gen)
@@ -747,7 +541,7 @@ class Lease(_ttl.Held):
                 self._ensure_valid()
             with self._lock:
                 self._ttl = new_ttl
-            self._renewed(gen, sent, new_ttl, rows[0][2], received)
+            self._renewed(gen, sent, new_ttl, Renewal._make(rows[0]).expires_at, received)
             # Lost meanwhile (the keepalive's deadline, a late answer): say so, never return
             # as if renewed.
             self._ensure_valid()
@@ -771,38 +565,9 @@ class Lease(_ttl.Held):
                 conn.execute("UPDATE accounts SET ... WHERE id = 1")
         """
         self._ensure_valid()
-        target = _conn.resolve(conn, "Lease.guard")
-        pg = target.conn
-        status = _conn.check_usable(pg)
-        if status == TransactionStatus.IDLE and pg.autocommit:
-            raise InvalidConnectionState(
-                "guard() needs the caller's open transaction: this connection is in autocommit "
-                "mode, so the row lock would end at once; use 'with conn.transaction():'"
-            )
-        _conn.ensure_sqlalchemy_transaction(target)
         with self._lock:
             token, gen = self._token, self._gen
-        try:
-            _count("guard")
-            found = _conn.fetch(pg, _stmt("guard", self._schema), (self._name, self._holder, token))
-            row = found[0][0] if found[0] else None
-        except psycopg.Error as exc:
-            translated = _ttl.translate(exc, pg, self._schema)
-            if translated is None:
-                raise
-            raise translated from exc
-        if not (row and row[0]):
-            # Ask the lease's own source before declaring a loss: a connection to another
-            # database (with its own pglock schema) would not see this lease at all.
-            rows = _run(
-                self._source, "info", self._schema, (self._name,),
-                deadline=short_deadline(self._ttl),
-            )
-            if rows and rows[0][1] == self._holder and rows[0][2] == token:
-                raise InvalidConnectionState(
-                    f"guard(): this connection does not see lease {self._name!r}, which is "
-                    "still held: is it connected to the lease's database?"
-                )
+        if not fence(conn, self._source, self._schema, self._name, self._holder, token, self._ttl):
             self._lose("guard found it no longer held (expired or taken over)", gen=gen)
             self._ensure_valid()
             raise LockLost(self._name, reason="guard found it no longer held")
@@ -811,15 +576,10 @@ class Lease(_ttl.Held):
 
     def _ensure_valid(self) -> None:
         with self._lock:
-            state, lost, reason, deadline = (
-                self._state,
-                self._lost,
-                self._lost_reason,
-                self._deadline,
-            )
-        if state != _HELD:
+            state, reason, deadline = self._state, self._lost_reason, self._deadline
+        if state not in (_HELD, _LOST):
             raise RuntimeError(f"lease {self._name!r} is not held")
-        if lost:
+        if state is _LOST:
             raise LockLost(self._name, reason=reason)
         if time.monotonic() >= deadline:
             self._lose("its TTL ran out before a renewal succeeded")
@@ -828,13 +588,14 @@ class Lease(_ttl.Held):
             raise LockLost(self._name, reason=reason)
 
     def _live(self) -> bool:
-        return self._state == _HELD and not self._lost
+        return self._state is _HELD
 
-    def _snapshot(self) -> tuple[Lease, str, str, int, float, int] | None:
+    def _due(self) -> Due | None:
         with self._lock:
-            if self._state != _HELD or self._lost or self._token is None:
+            if self._state is not _HELD or self._token is None:
                 return None
-            return (self, self._name, self._holder, self._token, self._ttl, self._gen)
+            return Due(self._name, self._holder, self._token, self._ttl, self._gen,
+                       self._deadline, self._durable)
 
     def _renewed(
         self, gen: int, sent: float, ttl: float, expires_at: datetime, received: float
@@ -843,7 +604,7 @@ class Lease(_ttl.Held):
         the answer came after the current deadline (the lease was lost by then, and
         ``on_lost`` may have run: a late answer never brings it back)."""
         with self._lock:
-            if gen != self._gen or self._state != _HELD or self._lost:
+            if gen != self._gen or self._state is not _HELD:
                 return
             late = received >= self._deadline
             if not late:
@@ -860,58 +621,49 @@ class Lease(_ttl.Held):
     @classmethod
     def _renew_batch(cls, leases: list[Lease]) -> None:
         """One ``extend_many`` for the due leases of a (source, schema)."""
-        source, schema = leases[0]._source, leases[0]._schema
-        snaps = [snap for snap in map(Lease._snapshot, leases) if snap is not None]
-        if not snaps:
+        held = [(lease, due) for lease in leases if (due := lease._due()) is not None]
+        if not held:
             return
-        names = [s[1] for s in snaps]
-        holders = [s[2] for s in snaps]
-        tokens = [s[3] for s in snaps]
-        ttls = [s[4] for s in snaps]
-        durable = any(s[0]._durable for s in snaps)
         sent = time.monotonic()
-        # Waiting longer than the earliest deadline would only hide a loss; an answer after it
-        # is cut off (a silent network must not hold the worker past it).
-        wait = max(0.05, min(s[0]._deadline for s in snaps) - sent)
         try:
-            rows = _run(
-                source, "extend_many", schema, (names, holders, tokens, ttls, durable, wait),
-                timeout=wait, deadline=sent + wait,
-            )
+            renewed = renew_many(leases[0]._source, leases[0]._schema, [d for _, d in held], sent)
         except Exception as exc:
-            logger.info("renewing %d lease(s) failed, retrying: %r", len(snaps), exc)
-            for lease, *_ in snaps:
+            logger.info("renewing %d lease(s) failed, retrying: %r", len(held), exc)
+            for lease, _ in held:
                 lease._renew_failed(sent)
             return
         received = time.monotonic()
-        renewed = {(r[0], r[1]): r[2] for r in rows}
-        for lease, name, _holder, token, ttl, gen in snaps:
-            expires_at = renewed.get((name, token))
+        for lease, due in held:
+            expires_at = renewed.get((due.name, due.token))
             if expires_at is not None:
-                lease._renewed(gen, sent, ttl, expires_at, received)
+                lease._renewed(due.gen, sent, due.ttl, expires_at, received)
             else:
                 lease._lose(
                     "the renewal found it no longer held (expired, taken over, or released "
                     "elsewhere)",
-                    gen=gen,
+                    gen=due.gen,
                 )
 
     def _lose(self, reason: str, gen: int | None = None) -> None:
         with self._lock:
-            if self._state != _HELD or self._lost or (gen is not None and gen != self._gen):
+            if self._state is not _HELD or (gen is not None and gen != self._gen):
                 return
-            self._lost = True
+            self._state = _LOST
             self._lost_reason = reason
         _ttl.unregister(self)
         if self._keepalive:
             logger.warning("lease %r (token %s) was lost: %s", self._name, self._token, reason)
         else:
             logger.info("lease %r (token %s) ended: %s", self._name, self._token, reason)
-        if self._on_lost is not None:
-            try:
-                self._on_lost(self)
-            except Exception:
-                logger.exception("the on_lost callback of lease %r raised", self._name)
+        on_lost = self._on_lost
+        if on_lost is not None:
+            _ttl.call_soon(lambda: self._call(on_lost))
+
+    def _call(self, on_lost: Callable[[Lease], object]) -> None:
+        try:
+            on_lost(self)
+        except Exception:
+            logger.exception("the on_lost callback of lease %r raised", self._name)
 
 
 class LeaseOptions(TypedDict, total=False):
@@ -970,79 +722,6 @@ def lease(
                 conn.execute("UPDATE jobs SET state = 'done' WHERE id = 123")
     """
     return Lease(source, name, schema=schema, **options)
-
-
-# --- introspection -----------------------------------------------------------------------------
-
-
-def _query(
-    target: object, kind: str, schema: str, params: tuple[Any, ...]
-) -> list[tuple[Any, ...]]:
-    """Run a read-only lease query on a source (pool, engine, DSN) or a caller's connection."""
-    api = "lease_info" if kind == "info" else "list_leases"
-    if classify(target, HELD | SOURCES, api=api) not in HELD:
-        deadline = time.monotonic() + SHORT_DEADLINE[1]
-        return _run(make_source(target), kind, schema, params, deadline=deadline)
-    resolved = _conn.resolve(target, api)
-    pg = resolved.conn
-    status = _conn.check_usable(pg)
-    own = status == TransactionStatus.IDLE and not pg.autocommit
-    try:
-        _count(kind)
-        rows = _conn.fetch(pg, _stmt(kind, schema), params)[0]
-    except psycopg.Error as exc:
-        if own and not pg.broken:
-            pg.rollback()
-        translated = _ttl.translate(exc, pg, schema)
-        if translated is None:
-            raise
-        raise translated from exc
-    if own:
-        pg.commit()  # leave an idle connection idle
-    return rows
-
-
-def _info(row: tuple[Any, ...]) -> LeaseInfo:
-    name, holder, token, acquired_at, expires_at, metadata, expires_in = row
-    return LeaseInfo(name, holder, token, acquired_at, expires_at, metadata, float(expires_in))
-
-
-def lease_info(conn: object, name: str, *, schema: str = DEFAULT_SCHEMA) -> LeaseInfo | None:
-    """The live lease on ``name``, or None when nobody holds it (free or expired).
-
-    :param conn: a psycopg ``Connection`` or SQLAlchemy ``Connection``/``Session`` (read in its
-        transaction if one is open; an idle connection is left idle), or a lease source (pool,
-        engine, DSN).
-    :raises pglock.SchemaNotInstalled: the database has no lease schema.
-
-    Example::
-
-        info = pglock.lease_info(conn, "job:123")
-        if info is not None:
-            print(info.holder, info.token, info.expires_in)
-    """
-    validate_name(name)
-    schema = validate_schema(schema)
-    rows = _query(conn, "info", schema, (name,))
-    return _info(rows[0]) if rows else None
-
-
-def list_leases(
-    conn: object, *, prefix: str | None = None, schema: str = DEFAULT_SCHEMA
-) -> list[LeaseInfo]:
-    """Every live lease (name, holder, token, acquired_at, expires_at, metadata, expires_in),
-    sorted by name; only names starting with ``prefix`` if given.
-
-    :param conn: as for :func:`lease_info`.
-    :raises pglock.SchemaNotInstalled: the database has no lease schema.
-    """
-    if prefix is not None:
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a str or None, not {type(prefix).__name__}")
-        if "\x00" in prefix:
-            raise ValueError("prefix must not contain NUL (\\x00) characters")
-    schema = validate_schema(schema)
-    return [_info(r) for r in _query(conn, "list", schema, (prefix,))]
 
 
 __all__ = [

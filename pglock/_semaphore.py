@@ -1,13 +1,9 @@
-"""Semaphores: at most ``limit`` permits held at once across every process, weighted, with a
-limit stored in the database and permits that come back when their holder dies.
-
-The database decides (``<schema>.semaphore_acquire(...)``, revision ``pglock_0002``); this
-module holds the hooks of the shared TTL-row client (``_ttl.py``): the attempt, the renewal of
-a batch of permits, the release. docs/how-it-works.md has the design.
-"""
+"""Semaphores: :class:`Semaphore` (at most ``limit`` weighted permits held at once across
+every process, a row per permit), its :class:`Permit` and the factory :func:`semaphore`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -17,16 +13,16 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 import psycopg
 from psycopg import sql
 
-from . import _conn, _sql, _ttl
+from . import _base, _conn, _sql, _ttl, _waiting
 from ._classify import Deferred
 from ._contract import DEFAULT_SCHEMA, LIMIT_MISMATCH, semaphore_channel, validate_schema
 from ._deadline import NoAnswer
-from ._keys import validate_name, validate_timeout
+from ._keys import DEFAULT, validate_name, validate_timeout
 from ._source import ANSWER_GRACE, WAIT_CHUNK, DsnSource, Source, short_deadline
 from ._source import make_source as _make_source
 from ._validate import encode_metadata, validate_ttl
@@ -48,10 +44,28 @@ MAX_LIMIT = 2**31 - 1
 _EXPIRY_MARGIN = 0.005
 
 
+class Answer(NamedTuple):
+    """A ``semaphore_acquire`` row."""
+
+    granted: bool
+    max_permits: int
+    held: int
+    retry_in: float | None
+
+
+class Info(NamedTuple):
+    """A ``semaphore_info`` row."""
+
+    name: str
+    max_permits: int
+    held: int
+    holders: Any
+
+
 #: Semaphores, to the shared TTL-row client. A waiter looks once more when its object's queue
 #: first subscribes to the NOTIFY listener (as this client always has).
 SEMAPHORES = _ttl.Rows(
-    "semaphore", semaphore_channel, prefix="semaphore_", look_again_on_subscribe=True
+    "semaphore", semaphore_channel, look_again_on_subscribe=True
 )
 
 
@@ -86,16 +100,10 @@ def _run(
     deadline: float | None,
     timeout: float | None = None,
 ) -> tuple[list[tuple[Any, ...]], bool]:
-    """Send one semaphore statement batch (one round trip, its own transaction: see
-    :func:`_ttl.run`); return the rows of its last row-returning statement and whether it was
-    sent a second time, on a new connection, because its connection died under it.
-
-    Extend and info are safe to send again, and so is a release (its answer aside: the caller
-    says so). An acquire names a holder of its own: a first attempt that committed a grant
-    before its connection died makes the second one fail on the permit's primary key, and the
-    unrenewed permit comes back after its TTL, as it would without the second attempt.
-    Postgres errors that mean something for a lock become pglock errors as for advisory locks
-    (:func:`_conn.translate`).
+    """Send one semaphore statement batch (:func:`_ttl.run`): its rows, and whether it was
+    sent a second time because its connection died. That is safe: extend, info and release
+    (its answer aside) are idempotent, and an acquire's holder id is its own, so a committed
+    first attempt makes the second fail on the primary key (that permit expires at its TTL).
     """
     try:
         return _ttl.run(SEMAPHORES, source, kind, schema, stmt, timeout=timeout, deadline=deadline)
@@ -139,7 +147,7 @@ class Permit(_ttl.Held):
         return self._sem.name
 
     @property
-    def held(self) -> bool:
+    def locked(self) -> bool:
         """True while held and, as far as this process knows, not lost."""
         return not self._released and self._lost is None and time.monotonic() < self._deadline
 
@@ -159,20 +167,12 @@ class Permit(_ttl.Held):
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if self._released:
-            return
-        if exc is None:
-            self.release()
-            return
-        try:
-            self.release()
-        except Exception:
-            logger.warning("releasing semaphore %r after the block raised %r failed",
-                           self.name, exc, exc_info=True)
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if not self._released:
+            _base.release_after(self.release, exc, f"semaphore {self.name!r}")
 
     def __repr__(self) -> str:
-        state = "held" if self.held else ("released" if self._released else "lost")
+        state = "held" if self.locked else ("released" if self._released else "lost")
         return f"<pglock.Permit {self.name!r} permits={self.permits} {state}>"
 
     # -- the keepalive's hooks -------------------------------------------------------------
@@ -247,29 +247,29 @@ class _Hold:
     def __enter__(self) -> Permit:
         if self._permit is not None:
             raise RuntimeError("this hold() is already in use; create one per with-block")
-        permit = self._sem._acquire(self._permits, self._timeout)
+        permit = self._sem._take(self._permits, self._timeout)
         if permit is None:
-            raise LockNotAcquired(
-                self._sem.name, timeout=self._timeout,
-                message=(
-                    f"could not acquire {self._permits} permit(s) of semaphore "
-                    f"{self._sem.name!r}" + (
-                        "" if self._timeout is None else
-                        " (all taken)" if self._timeout == 0 else
-                        f" within {self._timeout:.2f} s"
-                    )
-                ),
-            )
+            raise _not_acquired(self._sem.name, self._permits, self._timeout)
         self._permit = permit
         return permit
 
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         permit, self._permit = self._permit, None
         if permit is not None:
             permit.__exit__(exc_type, exc, tb)
 
 
-class Semaphore:
+def _not_acquired(name: str, permits: int, timeout: float | None) -> LockNotAcquired:
+    within = (
+        "" if timeout is None else " (all taken)" if timeout == 0 else f" within {timeout:.2f} s"
+    )
+    return LockNotAcquired(
+        name, timeout=timeout,
+        message=f"could not acquire {permits} permit(s) of semaphore {name!r}{within}",
+    )
+
+
+class Semaphore(_base.BaseLock):
     """A counting semaphore with weighted permits, shared by every process using the database.
 
     At most ``limit`` permits are held at once, summed over all holders; an acquisition may take
@@ -281,9 +281,10 @@ class Semaphore:
 
     * ``with sem:`` takes one permit (waits as long as needed), ``acquire()``/``release()``
       like :class:`threading.Semaphore` (``release()`` gives back this thread's latest);
+      ``locked`` is True while the calling thread holds a permit taken with ``acquire()``;
     * ``with sem.hold(permits=2, timeout=5) as permit:`` takes two and yields a
       :class:`Permit`;
-    * ``sem.count`` is the number of live permits held now (one query).
+    * ``sem.count()`` is the number of live permits held now (one query).
 
     Needs the pglock schema (``pglock install``). Thread safety: a Semaphore may be shared by
     threads; waiters of one Semaphore object are served in arrival order, and only the first
@@ -299,8 +300,10 @@ class Semaphore:
         ttl: float = 30.0,
         schema: str = DEFAULT_SCHEMA,
         metadata: Any = None,
+        timeout: float | None = None,
     ) -> None:
         self._setup(name, limit, ttl, schema, metadata)
+        self._timeout = validate_timeout(timeout)
         if isinstance(source, Deferred):  # a Locker's pool: resolved at the first use
             self._get_source: Callable[[], object] = source.resolve
             self._source: Source | None = None
@@ -320,8 +323,7 @@ class Semaphore:
         self._held: dict[str, Permit] = {}
         self._by_thread: dict[threading.Thread, list[Permit]] = {}
         self._rng = random.Random()
-        #: Acquire statements this object sent (tests count them to show how waiters wake).
-        self._attempts = 0
+        self._timeout: float | None = None
 
     # -- introspection ------------------------------------------------------------------
 
@@ -338,18 +340,29 @@ class Semaphore:
     def ttl(self) -> float:
         return self._ttl
 
-    @property
     def count(self) -> int:
         """The number of live permits held now, by every holder (one query; 0 if the
         semaphore was never used).
 
         :raises pglock.SchemaNotInstalled: the pglock schema is missing.
         """
+        info = self._info(self._src())
+        return 0 if info is None else int(info.held)
+
+    def _info(self, source: Source) -> Info | None:
         rows = _run(
-            self._src(), "info", self._schema, _sql.semaphore_info(self._schema, self._name),
+            source, "info", self._schema, _sql.semaphore_info(self._schema, self._name),
             short_deadline(self._ttl),
         )[0]
-        return int(rows[0][2]) if rows else 0
+        return Info._make(rows[0]) if rows else None
+
+    @property
+    def locked(self) -> bool:
+        """True while the calling thread holds a permit taken with :meth:`acquire` on this
+        object, not known lost. No SQL."""
+        with self._lock:
+            stack = self._by_thread.get(threading.current_thread(), ())
+            return any(p.locked for p in stack)
 
     def __repr__(self) -> str:
         with self._lock:
@@ -366,34 +379,65 @@ class Semaphore:
         return (source.key, self._schema, semaphore_channel(self._schema), self._name)
 
     def close(self) -> None:
-        """Close the connections pglock keeps open for this semaphore, if nobody else uses
-        them: the LISTEN connection of its source and schema (opened by the first wait), and
-        for a DSN source the few connections kept for its statements. Optional: they close
-        on their own (the LISTEN one after 30 s without waiters) or at exit. Permits still
-        held stay held and renewed; using the semaphore again reopens what it needs.
+        """Wake the threads blocked in :meth:`acquire` or ``hold()`` (they get False, or
+        :class:`pglock.LockNotAcquired`, with nothing held), and close the connections pglock
+        keeps open for this semaphore, if nobody else uses them: the LISTEN connection of its
+        source and schema (opened by the first wait), and for a DSN source the few connections
+        kept for its statements. Optional: they close on their own (the LISTEN one after 30 s
+        without waiters) or at exit. Permits still held stay held and renewed; using the
+        semaphore again reopens what it needs.
         """
+        super().close()
         src = self._source
         if src is None:
             return
-        _ttl._waiters.retire(self._wait_key(src)[:3])
+        _waiting.waiters.retire(self._wait_key(src)[:3])
         if isinstance(src, DsnSource):
             src.close()
 
     # -- the threading.Semaphore-like API ----------------------------------------------
 
-    def acquire(self, permits: int = 1, timeout: float | None = None) -> bool:
-        """Take ``permits`` permits; True when taken, False when not within ``timeout``.
+    def acquire(
+        self, blocking: bool = True, timeout: float | None = DEFAULT, permits: int = 1
+    ) -> bool:
+        """Take ``permits`` permits; True when taken, False when not within ``timeout`` (or
+        when close() ran meanwhile), like :meth:`threading.Semaphore.acquire`.
 
-        :param timeout: ``None`` waits as long as needed; ``0`` tries once.
+        :param blocking: False tries once.
+        :param timeout: ``None`` waits as long as needed (the default); ``0`` tries once.
+        :raises TypeError: ``blocking`` is not a bool (``permits`` is a keyword argument).
         :raises ValueError: ``permits`` is not between 1 and the limit.
         :raises pglock.LimitMismatch: the database stores another limit for this name.
         """
-        permit = self._acquire(_count_arg(permits, "permits"), validate_timeout(timeout))
+        if not isinstance(blocking, bool):
+            raise TypeError(
+                f"blocking must be True or False, not {type(blocking).__name__}; pass the "
+                f"number of permits as acquire(permits={blocking!r})"
+            )
+        wait = _base.wait_for(blocking, timeout, self._timeout)
+        return self._push(self._take(_count_arg(permits, "permits"), wait))
+
+    def _acquire(self, timeout: float | None) -> bool:
+        return self._push(self._take(1, timeout))
+
+    def _push(self, permit: Permit | None) -> bool:
         if permit is None:
             return False
         with self._lock:
             self._by_thread.setdefault(threading.current_thread(), []).append(permit)
         return True
+
+    def _outstanding(self) -> bool:
+        with self._lock:
+            return bool(self._by_thread.get(threading.current_thread()))
+
+    def _not_acquired(self) -> LockNotAcquired:
+        return _not_acquired(self._name, 1, self._timeout)
+
+    def _wake(self) -> None:
+        src = self._source
+        if src is not None:
+            _ttl.wake(self._wait_key(src), self)
 
     def release(self) -> None:
         """Give back the permits of this thread's latest :meth:`acquire`.
@@ -414,30 +458,18 @@ class Semaphore:
                 del self._by_thread[me]
         permit.release()
 
-    def __enter__(self) -> Self:
-        self.acquire()
-        return self
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        if exc is None:
-            self.release()
-            return
-        try:
-            self.release()
-        except Exception:
-            logger.warning("releasing semaphore %r after the block raised %r failed",
-                           self._name, exc, exc_info=True)
-
     def hold(self, permits: int = 1, timeout: float | None = None) -> _Hold:
         """``with sem.hold(permits=k, timeout=t) as permit:`` takes ``k`` permits for the block.
 
-        :raises pglock.LockNotAcquired: not taken within ``timeout`` (at ``with``).
+        :raises pglock.LockNotAcquired: not taken within ``timeout`` (at ``with``), or
+            close() ran meanwhile.
         """
         return _Hold(self, _count_arg(permits, "permits"), validate_timeout(timeout))
 
     # -- acquiring ------------------------------------------------------------------------
 
-    def _acquire(self, permits: int, timeout: float | None) -> Permit | None:
+    def _take(self, permits: int, timeout: float | None) -> Permit | None:
+        """One acquisition of ``permits``: the permit, or None (not in time, or closed)."""
         if permits > self._limit:
             raise ValueError(
                 f"permits={permits} can never be granted by semaphore {self._name!r} "
@@ -445,11 +477,23 @@ class Semaphore:
             )
         source = self._src()
         deadline = None if timeout is None else time.monotonic() + timeout
-        wait = timeout != 0
-        permit: Permit | None = _ttl.wait(
-            SEMAPHORES, source, self._schema, self._name, self, deadline,
-            lambda _left: self._try(source, permits, deadline, wait=wait),
-        )
+        if timeout == 0:  # tries once, whoever else of this object waits
+            once: Permit | None = self._try(source, permits, deadline, wait=False)[0]
+            return once
+        waits = self._waiters()
+        gen = waits.enter()
+        try:
+            permit: Permit | None = _ttl.wait(
+                SEMAPHORES, source, self._schema, self._name, self, deadline,
+                lambda _left: self._try(source, permits, deadline, wait=True),
+                closed=lambda: waits.closed(gen),
+            )
+        finally:
+            waits.leave()
+        if permit is not None and waits.closed(gen):
+            with contextlib.suppress(Exception):  # a grant nobody waits for (ends at its TTL)
+                permit.release()
+            return None
         return permit
 
     def _try(
@@ -463,7 +507,6 @@ class Semaphore:
             wait,
         )
         sent = time.monotonic()
-        self._attempts += 1
         cut_off = (sent + WAIT_CHUNK if deadline is None else deadline) + ANSWER_GRACE
         try:
             rows = _run(source, "acquire", self._schema, stmt, cut_off)[0]
@@ -480,7 +523,7 @@ class Semaphore:
                 ) from exc
             raise
         received = time.monotonic()
-        granted, _max, held, retry_in = rows[0]
+        granted, _max, held, retry_in = Answer._make(rows[0])
         if not granted:
             logger.debug("semaphore %r: %d of %d held, %d more do not fit", self._name, held,
                          self._limit, permits)
@@ -518,19 +561,16 @@ class Semaphore:
 
     def _stored_limit(self, source: Source) -> int | None:
         try:
-            rows = _run(
-                source, "info", self._schema, _sql.semaphore_info(self._schema, self._name),
-                short_deadline(self._ttl),
-            )[0]
+            info = self._info(source)
         except psycopg.Error:
             return None
-        return int(rows[0][1]) if rows else None
+        return None if info is None else int(info.max_permits)
 
     def _poke(self) -> None:
         """Wake this object's first waiter (a local release: it tries at once)."""
         src = self._source
         if src is not None:
-            _ttl._waiters.poke(self._wait_key(src), self)
+            _waiting.waiters.poke(self._wait_key(src), self)
 
     # -- releasing ------------------------------------------------------------------------
 
@@ -571,6 +611,7 @@ class SemaphoreOptions(TypedDict, total=False):
 
     ttl: float
     metadata: Any
+    timeout: float | None
 
 
 def semaphore(
@@ -593,7 +634,9 @@ def semaphore(
         * ``ttl`` (default 30): seconds a holder's permits outlive its last renewal (renewed
           every ``ttl/3`` while held); a crashed holder's permits come back within it;
         * ``metadata`` (default None): a JSON value stored with each permit (shown in
-          ``semaphore_permit``).
+          ``semaphore_permit``);
+        * ``timeout`` (default None): the default of ``acquire()`` and ``with``: ``None``
+          waits as long as needed; ``0`` tries once; ``> 0`` waits that long.
     :raises TypeError, ValueError: bad arguments, before any SQL.
 
     Example::

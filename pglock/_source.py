@@ -1,17 +1,6 @@
-"""Where leases and semaphores run their statements: connection sources.
-
-A lease or a semaphore never runs in the caller's transaction (a grant made there would be
-invisible to others until commit, and gone on rollback). Its statements run each on a
-connection of its own, checked out of the caller's ``psycopg_pool.ConnectionPool`` or
-SQLAlchemy ``Engine``, or of a few autocommit connections pglock keeps per DSN string
-(:func:`make_source`). A statement whose connection dies under it is sent once more on a live
-connection (:meth:`Source.run_once_more`); its NOTIFY listeners open connections of their own
-(:func:`open_listening`). What the statements are, and how a failure reads, stays with the
-TTL-row client (``_ttl.py``) and its kinds (``_lease.py``, ``_semaphore.py``).
-
-**Deadlines.** Every statement carries a client-side deadline (:mod:`pglock._deadline`
-cuts it off when it passes); the policy for lease and semaphore statements is below.
-"""
+"""Connection sources: where lease and semaphore statements run, each on a connection of its
+own (a pool's, an Engine's, or a few kept per DSN string), never in the caller's transaction,
+and the deadlines they run under (docs/how-it-works.md, "Leases and semaphores")."""
 
 from __future__ import annotations
 
@@ -22,7 +11,6 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
@@ -60,19 +48,6 @@ WAIT_CHUNK = 30.0
 SHORT_DEADLINE = (1.0, 30.0)
 #: The longest a new NOTIFY listener takes to connect and LISTEN (seconds).
 LISTEN_DEADLINE = 10.0
-
-#: Statements sent, by kind (the lease statements "acquire", "extend", "extend_many",
-#: "release", "guard", ..., the semaphore ones "semaphore_acquire", "semaphore_extend", ...,
-#: and "ping" for a source's liveness checks): for tests and benchmarks that count round trips.
-statements: Counter[str] = Counter()
-_stats_lock = threading.Lock()
-
-
-def count(kind: str) -> None:
-    """Count one statement of ``kind`` in :data:`statements`."""
-    with _stats_lock:
-        statements[kind] += 1
-
 
 # --- deadlines -----------------------------------------------------------------------------------
 
@@ -231,7 +206,6 @@ def _alive(conn: psycopg.Connection[Any]) -> bool:
     left as it was, as psycopg_pool's ``check_connection`` does.)"""
     if conn.closed or conn.broken:
         return False
-    count("ping")
     try:
         if conn.autocommit or conn.info.transaction_status != TransactionStatus.IDLE:
             _conn.fetch(conn, b"")
@@ -484,9 +458,8 @@ atexit.register(close_dsn_sources)
 
 def _after_fork_in_child() -> None:
     # Connections and locks do not survive a fork: the child opens its own.
-    global _dsn_lock, _stats_lock
+    global _dsn_lock
     _dsn_lock = threading.Lock()
-    _stats_lock = threading.Lock()
     _dsn_sources.clear()
 
 

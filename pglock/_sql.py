@@ -635,6 +635,10 @@ LEASE_RETRY_COMMIT = "COMMIT"
 LEASE_RETRY_ROLLBACK = "ROLLBACK"
 
 
+#: The isolation level of the caller's transaction (why a guard() does not see a lease).
+TRANSACTION_ISOLATION = "SELECT pg_catalog.current_setting('transaction_isolation')"
+
+
 def listen(channel: str) -> sql.Composed:
     """Subscribe to lease releases (release() notifies the channel named after the schema)."""
     return sql.SQL("LISTEN {}").format(sql.Identifier(channel))

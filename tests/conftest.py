@@ -208,3 +208,11 @@ def other(connect: Callable[..., psycopg.Connection[Any]]) -> psycopg.Connection
 def name() -> str:
     """A lock name unique to this test."""
     return f"test:{uuid.uuid4()}"
+
+
+@pytest.fixture
+def statements(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The lease and semaphore statements sent during the test, by kind (tests/_sent.py)."""
+    import _sent
+
+    return _sent.install(monkeypatch.setattr)

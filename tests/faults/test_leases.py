@@ -35,7 +35,7 @@ from .proxy import Proxy
 if not hasattr(pglock, "lease"):
     pytest.skip("pglock.lease is not there yet", allow_module_level=True)
 
-from pglock import _schema, _source
+from pglock import _schema
 
 # Grants must survive an immediate (crash) restart: keep commits synchronous here.
 CLUSTER_SETTINGS = {"synchronous_commit": "on", "max_connections": 80}
@@ -408,6 +408,7 @@ def permit_row(obs: psycopg.Connection[Any], holder: str) -> tuple[Any, ...] | N
 
 
 def test_T10_a_silent_semaphore_source_delays_no_other_source(
+    statements: Any,
     leases_db: Cluster, app_name: str, name: str, obs: psycopg.Connection[Any], bounds: Bounds
 ) -> None:
     """Semaphore permits renew in the leases' per-source keepalive (issue 11, one TTL-row
@@ -450,9 +451,9 @@ def test_T10_a_silent_semaphore_source_delays_no_other_source(
             # semaphore renewals as lease renewals (give or take a round cut by the window
             # at each end), not one per Semaphore object (four).
             time.sleep(ttl)  # the rounds of grants made a few ms apart merge
-            before = dict(_source.statements)
+            before = dict(statements)
             time.sleep(2 * ttl)
-            after = dict(_source.statements)
+            after = dict(statements)
             lease_rounds = after.get("extend_many", 0) - before.get("extend_many", 0)
             permit_rounds = after.get("semaphore_extend", 0) - before.get("semaphore_extend", 0)
             assert lease_rounds >= 4, lease_rounds  # about 6 per source
@@ -479,11 +480,11 @@ def test_T10_a_silent_semaphore_source_delays_no_other_source(
                 "silent source: permit reported lost after its client deadline (ttl 1.5 s)",
                 lost_at[0] - silent._deadline,
             )
-            assert not silent.held
+            assert not silent.locked
             with pytest.raises(pglock.LockLost):
                 silent.check()
             for permit in healthy:
-                assert permit.held
+                assert permit.locked
                 permit.check()
                 permit.release()
             leases[1].check()

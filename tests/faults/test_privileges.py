@@ -266,7 +266,7 @@ def test_T28_least_privilege_role_runs_every_semaphore_operation(
                 what="a keepalive renewal of the permits",
             )
             permit.check()
-            assert sem.count == 2 and other.count == 2
+            assert sem.count() == 2 and other.count() == 2
             assert other.acquire(timeout=0) is False
             with pytest.raises(pglock.LimitMismatch):
                 pglock.semaphore(pool, name, limit=3).acquire(timeout=0)
@@ -291,11 +291,11 @@ def test_T28_least_privilege_role_runs_every_semaphore_operation(
         assert got == [True]
         notified(watch, name)
         assert [r[1] for r in permit_rows(admin, name)] == [1]
-        assert other.count == 1
+        assert other.count() == 1
         done.set()
         t.join(25)
         assert not t.is_alive()
-        assert permit_rows(admin, name) == [] and sem.count == 0
+        assert permit_rows(admin, name) == [] and sem.count() == 0
         # a DSN source
         with pglock.semaphore(app_dsn, f"{name}:dsn", limit=1).hold(timeout=0):
             assert [r[1] for r in permit_rows(admin, f"{name}:dsn")] == [1]

@@ -431,7 +431,8 @@ def test_one_winner_and_handoffs_under_any_default_isolation(
 _HANDOFF_PROCESS = """
 import json, sys, threading
 import pglock
-from pglock import _lease, _source
+import _sent
+statements = _sent.install()
 dsn, name, threads, cycles = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 tokens, errors = [], []
 def work():
@@ -449,7 +450,7 @@ for t in ts:
 for t in ts:
     t.join(100)
 print(json.dumps({"tokens": tokens, "errors": errors,
-                  "retries": _lease.statements["retry_read_committed"]}), flush=True)
+                  "retries": statements["retry_read_committed"]}), flush=True)
 """
 
 
@@ -465,7 +466,9 @@ def test_handoffs_between_processes_at_any_default_isolation(
     source = make_conninfo(
         dsn, options="-c default_transaction_isolation=" + isolation.replace(" ", "\\ ")
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(pglock.__file__).parents[1])}
+    # pglock, and the tests' own helpers (the process counts its statements with _sent)
+    path = os.pathsep.join(map(str, (Path(pglock.__file__).parents[1], Path(__file__).parents[1])))
+    env = {**os.environ, "PYTHONPATH": path}
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _HANDOFF_PROCESS, source, name, str(threads), str(cycles)],
@@ -554,6 +557,7 @@ def _keep_changing_the_row(
 
 
 def test_a_serialization_failure_is_sent_again_at_read_committed(
+    statements: Any,
     dsn: str, admin: psycopg.Connection[Any], app_name: str, name: str
 ) -> None:
     # At a REPEATABLE READ default, a renewal that waited for a concurrent change of its row
@@ -564,13 +568,13 @@ def test_a_serialization_failure_is_sent_again_at_read_committed(
     lease = pglock.lease(rr, name, ttl=30, keepalive=False)
     assert lease.acquire(timeout=0)
     token = lease.token
-    before = _lease.statements["retry_read_committed"]
+    before = statements["retry_read_committed"]
     rounds, out = _keep_changing_the_row(
         dsn, admin, app_name, name, lambda _locks: lease.extend(), 8
     )
     assert "error" not in out, out
     assert 1 <= rounds <= 2
-    assert _lease.statements["retry_read_committed"] - before == 1
+    assert statements["retry_read_committed"] - before == 1
     lease.check()
     row = row_of(admin, name)
     assert row is not None and (row[0], row[1]) == (lease.holder, token)
@@ -707,10 +711,11 @@ def test_server_side_loss_is_found_by_guard_and_extend(
 
 
 def test_keepalive_keeps_a_1s_lease_for_3s(
+    statements: Any,
     pool: ConnectionPool[Any], admin: psycopg.Connection[Any], name: str
 ) -> None:
     # acceptance: with keepalive on and ttl=1 the lease is still held after 3 s
-    before = _lease.statements["extend_many"]
+    before = statements["extend_many"]
     with pglock.lease(pool, name, ttl=1) as lease:
         token = lease.token
         time.sleep(3)
@@ -721,7 +726,7 @@ def test_keepalive_keeps_a_1s_lease_for_3s(
         assert (row[0], row[1], row[5]) == (lease.holder, token, False)
         info = pglock.lease_info(admin, name)
         assert info is not None and info.token == token
-    assert _lease.statements["extend_many"] - before >= 6  # renewed about every ttl/3
+    assert statements["extend_many"] - before >= 6  # renewed about every ttl/3
 
 
 def test_extend_keeps_the_token_and_never_shortens(
@@ -922,6 +927,7 @@ def test_an_extend_answered_after_the_deadline_does_not_resurrect_the_lease(
 
 
 def test_one_live_handle_per_holder_id_in_a_process(
+    statements: Any,
     pool: ConnectionPool[Any], dsn: str, admin: psycopg.Connection[Any], name: str
 ) -> None:
     """Two handles with the same holder id on one lease in one process would both be granted
@@ -931,7 +937,7 @@ def test_one_live_handle_per_holder_id_in_a_process(
     go."""
     a = pglock.lease(pool, name, ttl=5, holder="h")
     assert a.acquire(timeout=0)
-    sent = dict(_lease.statements)
+    sent = dict(statements)
     b = pglock.lease(dsn, name, ttl=5, holder="h")  # a DSN string to the same database
     with pytest.raises(pglock.HolderInUse) as ei:
         b.acquire(timeout=0)
@@ -939,7 +945,7 @@ def test_one_live_handle_per_holder_id_in_a_process(
     assert (ei.value.name, ei.value.holder) == (name, "h")
     with pytest.raises(pglock.HolderInUse), pglock.lease(pool, name, holder="h", timeout=5):
         pass
-    assert dict(_lease.statements) == sent  # refused before any SQL
+    assert dict(statements) == sent  # refused before any SQL
     assert not b.locked and a.locked
     # Another name, schema or holder id is another lease.
     with pglock.lease(pool, f"{name}:other", holder="h", timeout=0):
@@ -967,7 +973,7 @@ def test_resume_takes_a_live_handle_over_and_the_old_handle_releases_nothing(
     resumed = pglock.lease(pool, name, holder=first.holder, resume=True, ttl=5)
     assert resumed.acquire()
     assert resumed.token == first.token
-    assert lost == [first] and first.lost
+    assert wait_until(lambda: lost, 5) == [first] and first.lost  # on_lost: pglock's thread
     with pytest.raises(pglock.LockLost):
         first.release()
     row = row_of(admin, name)
@@ -1453,13 +1459,14 @@ BAD: list[tuple[str, dict[str, Any], type[Exception]]] = [
 
 @pytest.mark.parametrize(("label", "kwargs", "error"), BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_refused_before_any_sql(
+    statements: Any,
     pool: ConnectionPool[Any], admin: psycopg.Connection[Any], name: str, label: str,
     kwargs: dict[str, Any], error: type[Exception],
 ) -> None:
-    before = (token_state(admin), lease_rows(admin), sum(_lease.statements.values()))
+    before = (token_state(admin), lease_rows(admin), sum(statements.values()))
     with pytest.raises(error):
         pglock.lease(pool, name, **kwargs).acquire()
-    after = (token_state(admin), lease_rows(admin), sum(_lease.statements.values()))
+    after = (token_state(admin), lease_rows(admin), sum(statements.values()))
     assert after == before
 
 
@@ -1469,15 +1476,16 @@ def test_bad_input_is_refused_before_any_sql(
      ("\ud800", ValueError), (b"bytes", TypeError)],
 )
 def test_bad_names_are_refused_before_any_sql(
+    statements: Any,
     pool: ConnectionPool[Any], admin: psycopg.Connection[Any], bad_name: Any,
     error: type[Exception],
 ) -> None:
-    before = (token_state(admin), lease_rows(admin), sum(_lease.statements.values()))
+    before = (token_state(admin), lease_rows(admin), sum(statements.values()))
     with pytest.raises(error):
         pglock.lease(pool, bad_name)
     with pytest.raises(error):
         pglock.lease_info(admin, bad_name)
-    after = (token_state(admin), lease_rows(admin), sum(_lease.statements.values()))
+    after = (token_state(admin), lease_rows(admin), sum(statements.values()))
     assert after == before
 
 

@@ -12,7 +12,6 @@ from psycopg_pool import ConnectionPool
 from test_lease_support import wait_until
 
 import pglock
-from pglock import _lease
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,6 +21,7 @@ def keepalive_threads() -> list[threading.Thread]:
 
 
 def test_1000_leases_are_renewed_by_one_thread_in_one_statement_per_round(
+    statements: Any,
     dsn: str, name: str, record_property: Any
 ) -> None:
     n, ttl = 1000, 1.5
@@ -35,10 +35,10 @@ def test_1000_leases_are_renewed_by_one_thread_in_one_statement_per_round(
             assert len(keepalive_threads()) == 1
             # Let the renewal rounds of leases acquired over a second or two merge.
             time.sleep(ttl)
-            before = _lease.statements["extend_many"]
+            before = statements["extend_many"]
             window = 2 * ttl
             time.sleep(window)
-            rounds = _lease.statements["extend_many"] - before
+            rounds = statements["extend_many"] - before
             record_property("keepalive_statements_in_2_ttls_1000_leases", rounds)
             # A round every ttl/3: about 6 in the window; one statement per lease would be
             # about 6,000.

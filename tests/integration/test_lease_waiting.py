@@ -25,7 +25,7 @@ from psycopg_pool import ConnectionPool
 from test_lease_support import lease_database, row_of, wait_until, with_app
 
 import pglock
-from pglock import _lease, _ttl
+from pglock import _lease, _waiting
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -170,6 +170,7 @@ def test_push_based_handoff_p50_within_50ms(
 
 
 def test_statements_per_handoff_with_50_waiters(
+    statements: Any,
     pg_dsn: str, app_name: str, record_property: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Measured on the server too: function calls counted by track_functions in a database
@@ -177,7 +178,7 @@ def test_statements_per_handoff_with_50_waiters(
     name = f"herd:{uuid.uuid4()}"
     with lease_database(pg_dsn) as bare:
         dsn = with_app(bare, app_name)
-        before = dict(_lease.statements)
+        before = dict(statements)
         tokens: list[int] = []
         errors: list[BaseException] = []
         with ConnectionPool(
@@ -203,12 +204,12 @@ def test_statements_per_handoff_with_50_waiters(
             # Everyone queued: one head asked the database, 49 wait in the process.
             assert wait_until(lambda: len(_mgr_tickets(pool, name)) == 50, 10)
             time.sleep(0.2)
-            mark = dict(_lease.statements)
+            mark = dict(statements)
             first.release()
             for t in threads:
                 t.join(120)
             assert not errors, errors
-            after = dict(_lease.statements)
+            after = dict(statements)
             _lease.shutdown()
         assert len(tokens) == 50 and tokens == sorted(tokens)
         kinds = ("acquire", "release", "extend_many", "extend", "listen")
@@ -237,17 +238,18 @@ def test_statements_per_handoff_with_50_waiters(
 
 
 def _mgr_tickets(pool: ConnectionPool[Any], name: str) -> list[Any]:
-    waiters = _ttl._waiters
+    waiters = _waiting.waiters
     q = waiters.queues.get((("pool", id(pool)), "pglock", "pglock_lease", name), {}).get(None)
     return list(q.tickets) if q is not None else []
 
 
 def test_waiters_do_not_poll_while_a_remote_holder_holds(
+    statements: Any,
     pool: ConnectionPool[Any], admin: psycopg.Connection[Any], app_name: str, name: str,
     holder: Holder, record_property: Any,
 ) -> None:
     holder.acquire()
-    before = _lease.statements["acquire"]
+    before = statements["acquire"]
     results: list[bool] = []
 
     def waiter() -> None:
@@ -259,7 +261,7 @@ def test_waiters_do_not_poll_while_a_remote_holder_holds(
     for t in threads:
         t.join(30)
     assert results == [False] * 10
-    asked = _lease.statements["acquire"] - before
+    asked = statements["acquire"] - before
     record_property("lease_acquire_statements_10_waiters_2_5s", asked)
     # Ten waiters for 2.5 s: the head's refusal, its re-check once LISTEN is up, at most a
     # jittered fallback look or two, and the last look of each waiter that became head

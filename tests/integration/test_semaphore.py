@@ -27,7 +27,7 @@ from psycopg.conninfo import make_conninfo
 from psycopg_pool import ConnectionPool
 
 import pglock
-from pglock import _semaphore, _source, _ttl
+from pglock import _semaphore, _source, _waiting
 from pglock._schema import install
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,20 +134,20 @@ def test_acquire_release_count_and_weights(
     pool: ConnectionPool[Any], schema: str, name: str, conn: psycopg.Connection[Any]
 ) -> None:
     sem = pglock.semaphore(pool, name, 3, schema=schema)
-    assert sem.count == 0  # never used: nothing stored yet
+    assert sem.count() == 0  # never used: nothing stored yet
     with sem:
-        assert sem.count == 1
+        assert sem.count() == 1
         with sem.hold(permits=2, timeout=0) as permit:
-            assert permit.held and permit.permits == 2
-            assert sem.count == 3
+            assert permit.locked and permit.permits == 2
+            assert sem.count() == 3
             assert sorted(p for _, p in permit_rows(conn, schema, name)) == [1, 2]
             assert not sem.acquire(timeout=0)
             with pytest.raises(pglock.LockNotAcquired), sem.hold(timeout=0.2):
                 pass
-        assert sem.count == 1
+        assert sem.count() == 1
         assert sem.acquire(permits=2, timeout=0)
         sem.release()
-    assert sem.count == 0
+    assert sem.count() == 0
     with pytest.raises(RuntimeError):
         sem.release()
     assert permit_rows(conn, schema, name) == []
@@ -240,7 +240,7 @@ def test_locker_and_engine_sources(
             # A waiter through the engine LISTENs on a connection of its own.
             assert not via_engine.acquire(timeout=0.1)
             channel = _semaphore.semaphore_channel(schema)
-            listener = _ttl._waiters.listeners[(("engine", id(engine)), schema, channel)]
+            listener = _waiting.waiters.listeners[(("engine", id(engine)), schema, channel)]
             assert listener.healthy
         via_engine.close()
     finally:
@@ -275,7 +275,7 @@ def test_statements_replace_a_terminated_connection_once(
         )
     try:
         sem = pglock.semaphore(source, name, 2, schema=schema)
-        assert sem.count == 0  # leaves an idle connection in the source
+        assert sem.count() == 0  # leaves an idle connection in the source
         for op in ("acquire", "release"):
             assert _terminate_others(conn, app_name) >= 1
             caplog.clear()
@@ -303,7 +303,7 @@ def test_lost_permit_is_reported(pool: ConnectionPool[Any], schema: str, name: s
         # finds it gone, and the holder hears of it.
         conn.execute(sql.SQL("DELETE FROM {}.semaphore_permit WHERE semaphore = %s").format(
             sql.Identifier(schema)), (name,))
-        wait_until(lambda: not permit.held, 5, "the keepalive to notice")
+        wait_until(lambda: not permit.locked, 5, "the keepalive to notice")
         with pytest.raises(pglock.LockLost):
             permit.check()
     finally:
@@ -327,6 +327,19 @@ def test_keepalive_keeps_permits_past_their_ttl(pool: ConnectionPool[Any], schem
         assert first is not None and later is not None and later[0] > first[0]
 
 
+def count_attempts(sem: pglock.Semaphore, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The acquire statements ``sem`` sends, counted by a test double over its attempt."""
+    sent = [0]
+    attempt = sem._try
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        sent[0] += 1
+        return attempt(*args, **kwargs)
+
+    monkeypatch.setattr(sem, "_try", counted)
+    return sent
+
+
 # --- waking ------------------------------------------------------------------------------------
 
 
@@ -340,9 +353,10 @@ def test_waiters_wake_on_release_notify_not_a_poll(
     A refused waiter subscribes to the NOTIFY channel and tries once more (a release before
     its LISTEN was active would go unheard), then sleeps: two refused attempts, and the
     third, after the release, is granted."""
-    monkeypatch.setattr(_ttl, "FALLBACK_POLL", (60.0, 60.0))
+    monkeypatch.setattr(_waiting, "FALLBACK_POLL", (60.0, 60.0))
     holder_side = pglock.semaphore(pool, name, 1, schema=schema)
     waiter_side = pglock.semaphore(pool, name, 1, schema=schema)  # another object: no local poke
+    attempts = count_attempts(waiter_side, monkeypatch)
     results: list[bool] = []
 
     def waiter() -> None:
@@ -352,25 +366,25 @@ def test_waiters_wake_on_release_notify_not_a_poll(
     with holder_side:
         t = threading.Thread(target=waiter)
         t.start()
-        wait_until(lambda: waiter_side._attempts == 2, 5, "the waiter's refused attempts")
+        wait_until(lambda: attempts[0] == 2, 5, "the waiter's refused attempts")
         time.sleep(0.3)
-        assert waiter_side._attempts == 2  # it sleeps, it does not poll
+        assert attempts[0] == 2  # it sleeps, it does not poll
     t.join(10)
     assert not t.is_alive() and results == [True]
-    assert waiter_side._attempts == 3
+    assert attempts[0] == 3
 
     # Negative control: permits freed behind pglock's back (no NOTIFY) do not wake it.
     holder_side.acquire()
     t = threading.Thread(target=waiter)
     t.start()
-    wait_until(lambda: waiter_side._attempts == 5, 5, "the waiter's refused attempts")
+    wait_until(lambda: attempts[0] == 5, 5, "the waiter's refused attempts")
     conn.execute(sql.SQL("DELETE FROM {}.semaphore_permit WHERE semaphore = %s").format(
         sql.Identifier(schema)), (name,))
     time.sleep(0.5)
-    assert waiter_side._attempts == 5 and results == [True]
+    assert attempts[0] == 5 and results == [True]
     waiter_side._poke()  # what a local release would do: it tries, and gets it
     t.join(10)
-    assert results == [True, True] and waiter_side._attempts == 6
+    assert results == [True, True] and attempts[0] == 6
     with pytest.raises(pglock.LockLost):
         holder_side.release()  # its row was deleted by hand
 
@@ -387,7 +401,7 @@ def test_waiters_wake_on_release_notify_not_a_poll(
 
 def queue_length(sem: pglock.Semaphore) -> int:
     """How many threads wait in ``sem``'s own queue (the shared client's, owned by ``sem``)."""
-    q = _ttl._waiters.queues.get(sem._wait_key(sem._src()), {}).get(sem)
+    q = _waiting.waiters.queues.get(sem._wait_key(sem._src()), {}).get(sem)
     return len(q.tickets) if q is not None else 0
 
 
@@ -550,7 +564,7 @@ def test_killed_holder_gives_its_permits_back(
         sem = pglock.semaphore(pool, name, 3, schema=schema)
         # Alive past its TTL: the keepalive renews its 2 permits.
         time.sleep(1.5)
-        assert sem.count == 2
+        assert sem.count() == 2
         assert not sem.acquire(permits=2, timeout=0)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
@@ -602,7 +616,7 @@ def test_a_permit_granted_past_its_client_deadline_is_given_back(
 
     def take() -> None:
         with sem.hold(timeout=30) as permit:
-            result["held"] = permit.held  # at once, as the caller's body would start
+            result["held"] = permit.locked  # at once, as the caller's body would start
             result["holder"] = permit.holder
             permit.check()
             result["rows"] = [r[0] for r in permit_rows(conn_b, schema, name)]

@@ -1,0 +1,103 @@
+"""Holder ids: the default one (unique per handle), and the rule of one live handle per holder
+id and lease in a process (see :class:`pglock.Lease`)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+import uuid
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+_holder_prefix: tuple[int, str] | None = None
+_holder_count = itertools.count(1)
+
+
+def default_holder() -> str:
+    """A holder id unique to one handle: ``<host>:<pid>:<random hex>-<n>`` (the random part is
+    drawn once per process, the counter makes each handle's id its own)."""
+    global _holder_prefix
+    pid = os.getpid()
+    if _holder_prefix is None or _holder_prefix[0] != pid:
+        _holder_prefix = (pid, f"{socket.gethostname()[:64]}:{pid}:{uuid.uuid4().hex[:16]}")
+    return f"{_holder_prefix[1]}-{next(_holder_count)}"
+
+
+class Claimant(Protocol):
+    """What the registry asks of a handle (a :class:`pglock.Lease`)."""
+
+    #: (database, schema, name, holder id)
+    _claim_key: tuple[Any, ...]
+    _lock: threading.Lock
+    #: Another handle took the claim over: a release of this one sends nothing.
+    _superseded: bool
+
+    def _claim_state(self) -> tuple[bool, bool]:
+        """With its ``_lock`` held: (acquiring, holding or releasing it and not known lost;
+        holding it)."""
+        ...
+
+    def _lose(self, reason: str) -> None: ...
+
+
+#: The handle of each claim key that is acquiring, holding or releasing it in this process.
+_claims: dict[tuple[Any, ...], weakref.ref[Any]] = {}
+#: Guards the claims (and, taken first, a release's change of state: see Lease.release).
+lock = threading.Lock()
+#: Prune the claims of collected handles (a lost lease dropped without a release) when there
+#: are more than this many; it doubles with the live ones.
+_prune_at = 1024
+
+
+def claim(handle: Claimant, *, resume: bool, in_use: Callable[[], Exception]) -> None:
+    """Make ``handle`` the one of its claim key, before any SQL; raise ``in_use()`` if another
+    handle is acquiring, holding (live) or releasing it. A lost handle is superseded (its
+    release sends nothing); so is a live one that ``handle`` resumes (it is then lost)."""
+    superseded: Claimant | None = None
+    with lock:
+        other_ref = _claims.get(handle._claim_key)
+        other: Claimant | None = None if other_ref is None else other_ref()
+        if other is not None and other is not handle:
+            with other._lock:
+                live, holding = other._claim_state()
+                if live and not (resume and holding):
+                    raise in_use()
+                other._superseded = True
+            superseded = other if live else None
+        _claims[handle._claim_key] = weakref.ref(handle)
+        _prune()
+        with handle._lock:
+            handle._superseded = False
+    if superseded is not None:
+        superseded._lose("another handle of this process resumed it with the same holder id")
+
+
+def unclaim(handle: Claimant) -> None:
+    with lock:
+        ref = _claims.get(handle._claim_key)
+        if ref is not None and ref() is handle:
+            del _claims[handle._claim_key]
+
+
+def _prune() -> None:
+    """With ``lock`` held: forget the claims of handles that were collected."""
+    global _prune_at
+    if len(_claims) <= _prune_at:
+        return
+    for key in [k for k, ref in _claims.items() if ref() is None]:
+        del _claims[key]
+    _prune_at = max(1024, 2 * len(_claims))
+
+
+def _after_fork_in_child() -> None:
+    # The parent's leases stay the parent's (the child must not renew or release them).
+    global lock
+    _claims.clear()
+    lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

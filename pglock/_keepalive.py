@@ -1,0 +1,281 @@
+"""The keepalive: one scheduler thread renewing every grant of the process (:class:`Held`) in
+batches, a renewal worker per (source, schema), and the thread that runs users' callbacks."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ._source import Source
+
+logger = logging.getLogger("pglock.ttl")
+
+H = TypeVar("H", bound="Held")
+Key = tuple[Any, ...]
+
+#: The keepalive scheduler looks up at least this often (seconds), grants or not.
+_KEEPALIVE_TICK = 5.0
+#: A renewal worker (one per source and schema) with nothing to do for this long exits.
+_WORKER_IDLE = 30.0
+
+
+class Held:
+    """A grant that the keepalive renews: a lease handle, a semaphore permit.
+
+    A subclass sets the fields below (``_lock`` guards them; ``_group`` is ``(source key,
+    schema)``, its renewal worker; ``_sent_at``: its last successful grant or renewal was sent
+    then, on ``time.monotonic()``; ``_deadline``: it is believed until then; ``_qkey``: the
+    shared wait queue of the name it holds) and implements the three hooks.
+    """
+
+    _lock: threading.Lock
+    _source: Source
+    _schema: str
+    _group: Key
+    _ttl: float
+    _sent_at: float
+    _deadline: float
+    _qkey: Key | None = None
+    #: False: nothing renews it (it is lost at its deadline all the same).
+    _keepalive = True
+    #: When to try again after a failed renewal (None: at the usual time).
+    _retry_at: float | None = None
+    #: A renewal of it is in flight (guarded by the keepalive's lock).
+    _renewing = False
+
+    def _live(self) -> bool:
+        """Held and not known lost (read without the lock by the scheduler)."""
+        raise NotImplementedError
+
+    def _lose(self, reason: str) -> None:
+        """Declare it lost, once: :func:`unregister` it, log, tell the user."""
+        raise NotImplementedError
+
+    @classmethod
+    def _renew_batch(cls: type[H], items: list[H]) -> None:
+        """Renew ``items`` (of this class, one source and schema) in one statement and apply
+        the answer; on a failure, :meth:`_renew_failed`."""
+        raise NotImplementedError
+
+    def _renew_due(self) -> float:
+        retry = self._retry_at
+        return retry if retry is not None else self._sent_at + self._ttl / 3
+
+    def _renew_soon(self) -> float:
+        # Renew early to share a round: anything past half its interval comes along.
+        retry = self._retry_at
+        return retry if retry is not None else self._sent_at + self._ttl / 6
+
+    def _renew_failed(self, sent: float) -> None:
+        with self._lock:
+            self._retry_at = sent + min(1.0, max(0.05, self._ttl / 10))
+
+
+class _Worker:
+    """The renewal thread of one (source, schema) and its batches, run one after another."""
+
+    __slots__ = ("batches", "cond", "thread")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.batches: deque[list[Held]] = deque()
+        self.cond = threading.Condition(lock)
+        self.thread: threading.Thread | None = None
+
+
+class _Keepalive:
+    """The grants held in the process and their renewal: a scheduler thread, which sends
+    nothing (it hands due grants to their group's worker in one batch, and declares a grant
+    lost at its client deadline even while a renewal of it is stuck), and one worker thread per
+    (source, schema), which sends a batch at a time, one statement per kind of grant, without
+    holding up any other group."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)  # the scheduler sleeps on it
+        self.held: set[Held] = set()
+        self.thread: threading.Thread | None = None
+        #: When the sleeping scheduler wakes next (-inf while it is awake).
+        self.next_wake = -math.inf
+        #: Renewal workers per (source key, schema).
+        self.workers: dict[Key, _Worker] = {}
+
+    def register(self, item: Held) -> None:
+        with self.lock:
+            self.held.add(item)
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(
+                    target=self._run, name="pglock-keepalive", daemon=True
+                )
+                self.next_wake = -math.inf
+                self.thread.start()
+            elif min(item._renew_due(), item._deadline) < self.next_wake:
+                # Only when the new grant is due before the thread's next wake-up: a stream of
+                # acquires must not make it rescan every held grant each time.
+                self.cond.notify()
+
+    def forget(self, item: Held) -> None:
+        with self.lock:
+            self.held.discard(item)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._schedule()
+            except Exception:  # a bug here must not stop every renewal in the process
+                logger.exception("pglock's keepalive failed; it goes on")
+                time.sleep(0.1)
+
+    def _schedule(self) -> None:
+        """Losses at their deadline, batches to the workers, sleep; again."""
+        while True:
+            with self.lock:
+                now = time.monotonic()
+                lost, batches, wake_at = self._scan(now)
+                for group, items in batches.items():
+                    self._dispatch(group, items)
+                if not lost:
+                    if batches:
+                        continue  # look again: the grants handed out are no longer due
+                    # Look up at least every few seconds, so that registering a grant due later
+                    # than that needs no wake-up (a thread switch per acquire otherwise).
+                    self.next_wake = min(wake_at, now + _KEEPALIVE_TICK)
+                    self.cond.wait(max(0.0, self.next_wake - now))
+                    self.next_wake = -math.inf  # awake: it rescans before sleeping again
+                    continue
+            for item in lost:
+                item._lose("its TTL ran out before a renewal succeeded")
+
+    def _scan(self, now: float) -> tuple[list[Held], dict[Key, list[Held]], float]:
+        """With the lock held: the grants past their deadline, the renewal batches due now
+        (marked as renewing), and when to look again."""
+        lost: list[Held] = []
+        wake_at = math.inf
+        due_groups: set[Key] = set()
+        for item in self.held:
+            if not item._live():
+                continue  # being released, or lost: about to leave the set
+            if now >= item._deadline:
+                lost.append(item)
+                continue
+            wake_at = min(wake_at, item._deadline)
+            if not item._keepalive or item._renewing:
+                continue  # a renewal in flight: only its deadline counts
+            due = item._renew_due()
+            if now >= due:
+                due_groups.add(item._group)
+            else:
+                wake_at = min(wake_at, due)
+        batches: dict[Key, list[Held]] = {}
+        for item in self.held if due_groups else ():
+            if (
+                item._keepalive
+                and item._group in due_groups
+                and not item._renewing
+                and item._live()
+                and item._renew_soon() <= now < item._deadline
+            ):
+                item._renewing = True
+                batches.setdefault(item._group, []).append(item)
+        return lost, batches, wake_at
+
+    def _dispatch(self, group: Key, items: list[Held]) -> None:
+        """With the lock held: hand a batch to its group's worker (started if needed)."""
+        worker = self.workers.get(group) or self.workers.setdefault(group, _Worker(self.lock))
+        worker.batches.append(items)
+        if worker.thread is None:
+            worker.thread = threading.Thread(
+                target=self._work, args=(group, worker), name=f"pglock-renewal-{group[1]}",
+                daemon=True,
+            )
+            worker.thread.start()
+        else:
+            worker.cond.notify()
+
+    def _work(self, group: Key, worker: _Worker) -> None:
+        """A worker's loop: renew its group's batches, one statement per kind of grant; exit
+        after a while without any."""
+        while True:
+            with self.lock:
+                while not worker.batches:
+                    if not worker.cond.wait(_WORKER_IDLE) and not worker.batches:
+                        worker.thread = None
+                        if self.workers.get(group) is worker:
+                            del self.workers[group]
+                        return
+                items = worker.batches.popleft()
+            kinds: dict[type[Held], list[Held]] = {}
+            for item in items:
+                kinds.setdefault(type(item), []).append(item)
+            try:
+                for kind, batch in kinds.items():
+                    try:
+                        kind._renew_batch(batch)
+                    except Exception:  # a bug here must not stop the group's renewals
+                        logger.exception("pglock's renewal of %s failed; it goes on", kind)
+            finally:
+                with self.lock:
+                    for item in items:
+                        item._renewing = False
+                    self.cond.notify()  # the scheduler looks again: due times moved
+
+
+class _Callbacks:
+    """pglock's thread for the user's callbacks (``on_lost``): never the caller's thread,
+    which may hold a lock the callback takes, nor the keepalive's, which must not wait on them.
+    It exits after a while without any."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.queue: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    def call(self, fn: Callable[[], object]) -> None:
+        self.queue.put(fn)
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="pglock-callbacks",
+                                               daemon=True)
+                self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                fn = self.queue.get(timeout=_WORKER_IDLE)
+            except queue.Empty:
+                with self.lock:
+                    if self.queue.empty():
+                        self.thread = None
+                        return
+                continue
+            try:
+                fn()
+            except Exception:
+                logger.exception("a pglock callback raised")
+
+
+def call_soon(fn: Callable[[], object]) -> None:
+    """Run ``fn()`` in pglock's callback thread (its exceptions are logged)."""
+    callbacks.call(fn)
+
+
+#: The process's keepalive and callback thread (new ones after a fork: the parent's grants
+#: stay the parent's, the child must not renew them).
+scheduler = _Keepalive()
+callbacks = _Callbacks()
+
+
+def _after_fork_in_child() -> None:
+    global scheduler, callbacks
+    scheduler = _Keepalive()
+    callbacks = _Callbacks()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

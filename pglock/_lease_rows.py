@@ -1,0 +1,291 @@
+"""Lease statements and rows (each row a named tuple), ``guard()``'s statement in the caller's
+transaction, and the introspection of leases: :class:`LeaseInfo`, :func:`lease_info`,
+:func:`list_leases`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, NamedTuple
+
+import psycopg
+from psycopg import sql
+from psycopg.pq import TransactionStatus
+
+from . import _conn, _sql, _ttl
+from ._classify import HELD, SOURCES, classify
+from ._contract import DEFAULT_SCHEMA, lease_channel, validate_schema
+from ._keys import validate_name
+from ._source import SHORT_DEADLINE, Source, short_deadline
+from ._source import make_source as _make_source
+from .errors import InvalidConnectionState
+
+LEASES = _ttl.Rows("lease", lease_channel)
+
+
+class Grant(NamedTuple):
+    """An acquire's row, with when it was sent and answered (``time.monotonic()``)."""
+
+    granted: bool
+    holder: str | None
+    token: int | None
+    acquired_at: datetime | None
+    expires_at: datetime | None
+    server_time: datetime | None
+    sent: float
+    received: float
+
+
+class Renewal(NamedTuple):
+    """An ``extend`` row."""
+
+    token: int
+    acquired_at: datetime
+    expires_at: datetime
+    metadata: Any
+
+
+class Renewed(NamedTuple):
+    """An ``extend_many`` row: a lease renewed."""
+
+    name: str
+    token: int
+    expires_at: datetime
+
+
+class Due(NamedTuple):
+    """A held lease, as its renewal needs it."""
+
+    name: str
+    holder: str
+    token: int
+    ttl: float
+    gen: int
+    deadline: float
+    durable: bool
+
+
+class Released(NamedTuple):
+    """A ``release`` row: ``released``, ``expired`` or ``not_held``, and whether it notified
+    waiters."""
+
+    status: str
+    notified: bool
+
+#: Leases, to the shared TTL-row client.
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """A live lease as the database sees it (from :func:`lease_info`, :func:`list_leases`).
+
+    :ivar expires_in: seconds left at the time of the query, on the database clock.
+    """
+
+    name: str
+    holder: str
+    token: int
+    acquired_at: datetime
+    expires_at: datetime
+    metadata: Any
+    expires_in: float
+
+
+_STATEMENTS: dict[str, Callable[[str], sql.Composed]] = {
+    "acquire": _sql.lease_acquire,
+    "extend": _sql.lease_extend,
+    "extend_many": _sql.lease_extend_many,
+    "release": _sql.lease_release,
+    "guard": _sql.lease_guard,
+    "info": _sql.lease_info,
+    "list": _sql.lease_list,
+}
+
+
+@lru_cache(maxsize=64)
+def stmt(kind: str, schema: str) -> bytes:
+    return _STATEMENTS[kind](schema).as_bytes(None)
+
+
+def run(
+    source: Source,
+    kind: str,
+    schema: str,
+    params: tuple[Any, ...],
+    timeout: float | None = None,
+    deadline: float | None = None,
+) -> list[tuple[Any, ...]]:
+    """Send one lease statement and return its rows (see :func:`run_once_more`)."""
+    return run_once_more(source, kind, schema, params, timeout, deadline)[0]
+
+
+def run_once_more(
+    source: Source,
+    kind: str,
+    schema: str,
+    params: tuple[Any, ...],
+    timeout: float | None = None,
+    deadline: float | None = None,
+) -> tuple[list[tuple[Any, ...]], bool]:
+    """Send one lease statement; return its rows and whether it was sent a second time
+    (:func:`_ttl.run`, which says what ``timeout`` and ``deadline`` are).
+
+    That is safe: every lease statement is idempotent per holder (an acquire by the same
+    holder re-enters keeping the token; extend and release name the holder and the token), so
+    a first attempt that did commit before its connection died changes nothing but the answer
+    of a release.
+    """
+    return _ttl.run(
+        LEASES, source, kind, schema, stmt(kind, schema), params,
+        binary=kind == "extend_many", timeout=timeout, deadline=deadline,
+    )
+
+
+def renew_many(
+    source: Source, schema: str, due: list[Due], sent: float
+) -> dict[tuple[str, int], datetime]:
+    """One ``extend_many`` for ``due`` leases (of a source and schema), sent at ``sent``: the
+    new expiry of each (name, token) renewed; the others are no longer held."""
+    # Waiting longer than the earliest deadline would only hide a loss; an answer after it is
+    # cut off (a silent network must not hold the worker past it).
+    wait = max(0.05, min(d.deadline for d in due) - sent)
+    params = (
+        [d.name for d in due], [d.holder for d in due], [d.token for d in due],
+        [d.ttl for d in due], any(d.durable for d in due), wait,
+    )
+    rows = run(source, "extend_many", schema, params, timeout=wait, deadline=sent + wait)
+    return {(r.name, r.token): r.expires_at for r in map(Renewed._make, rows)}
+
+
+def make_source(source: object) -> Source:
+    """Resolve a lease source without sending any SQL.
+
+    :raises TypeError: not a supported source.
+    :raises ValueError: an empty or unparsable DSN string.
+    """
+    return _make_source(source, "lease")
+
+
+def _query(
+    target: object, kind: str, schema: str, params: tuple[Any, ...]
+) -> list[tuple[Any, ...]]:
+    """Run a read-only lease query on a source (pool, engine, DSN) or a caller's connection."""
+    api = "lease_info" if kind == "info" else "list_leases"
+    if classify(target, HELD | SOURCES, api=api) not in HELD:
+        deadline = time.monotonic() + SHORT_DEADLINE[1]
+        return run(make_source(target), kind, schema, params, deadline=deadline)
+    resolved = _conn.resolve(target, api)
+    pg = resolved.conn
+    status = _conn.check_usable(pg)
+    own = status == TransactionStatus.IDLE and not pg.autocommit
+    try:
+        rows = _conn.fetch(pg, stmt(kind, schema), params)[0]
+    except psycopg.Error as exc:
+        if own and not pg.broken:
+            pg.rollback()
+        translated = _ttl.translate(exc, pg, schema)
+        if translated is None:
+            raise
+        raise translated from exc
+    if own:
+        pg.commit()  # leave an idle connection idle
+    return rows
+
+
+def info_row(row: tuple[Any, ...]) -> LeaseInfo:
+    name, holder, token, acquired_at, expires_at, metadata, expires_in = row
+    return LeaseInfo(name, holder, token, acquired_at, expires_at, metadata, float(expires_in))
+
+
+def lease_info(conn: object, name: str, *, schema: str = DEFAULT_SCHEMA) -> LeaseInfo | None:
+    """The live lease on ``name``, or None when nobody holds it (free or expired).
+
+    :param conn: a psycopg ``Connection`` or SQLAlchemy ``Connection``/``Session`` (read in its
+        transaction if one is open; an idle connection is left idle), or a lease source (pool,
+        engine, DSN).
+    :raises pglock.SchemaNotInstalled: the database has no lease schema.
+
+    Example::
+
+        info = pglock.lease_info(conn, "job:123")
+        if info is not None:
+            print(info.holder, info.token, info.expires_in)
+    """
+    validate_name(name)
+    schema = validate_schema(schema)
+    rows = _query(conn, "info", schema, (name,))
+    return info_row(rows[0]) if rows else None
+
+
+def list_leases(
+    conn: object, *, prefix: str | None = None, schema: str = DEFAULT_SCHEMA
+) -> list[LeaseInfo]:
+    """Every live lease (name, holder, token, acquired_at, expires_at, metadata, expires_in),
+    sorted by name; only names starting with ``prefix`` if given.
+
+    :param conn: as for :func:`lease_info`.
+    :raises pglock.SchemaNotInstalled: the database has no lease schema.
+    """
+    if prefix is not None:
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str or None, not {type(prefix).__name__}")
+        if "\x00" in prefix:
+            raise ValueError("prefix must not contain NUL (\\x00) characters")
+    schema = validate_schema(schema)
+    return [info_row(r) for r in _query(conn, "list", schema, (prefix,))]
+
+
+def fence(
+    conn: object, source: Source, schema: str, name: str, holder: str, token: int | None,
+    ttl: float,
+) -> bool:
+    """``guard()``'s statement in the caller's transaction: whether ``holder`` holds ``name``
+    with ``token`` (its row locked until that transaction ends).
+
+    :raises pglock.InvalidConnectionState: no open transaction to lock in, or the
+        transaction does not see a lease that its source says is held.
+    """
+    target = _conn.resolve(conn, "Lease.guard")
+    pg = target.conn
+    status = _conn.check_usable(pg)
+    if status == TransactionStatus.IDLE and pg.autocommit:
+        raise InvalidConnectionState(
+            "guard() needs the caller's open transaction: this connection is in autocommit "
+            "mode, so the row lock would end at once; use 'with conn.transaction():'"
+        )
+    _conn.ensure_sqlalchemy_transaction(target)
+    try:
+        found = _conn.fetch(pg, stmt("guard", schema), (name, holder, token))
+    except psycopg.Error as exc:
+        translated = _ttl.translate(exc, pg, schema)
+        if translated is None:
+            raise
+        raise translated from exc
+    if found[0] and found[0][0][0]:
+        return True
+    # Ask the lease's own source before declaring a loss: a connection to another database
+    # (with its own pglock schema), or an older snapshot, would not see this lease at all.
+    rows = run(source, "info", schema, (name,), deadline=short_deadline(ttl))
+    info = info_row(rows[0]) if rows else None
+    if info is not None and (info.holder, info.token) == (holder, token):
+        raise InvalidConnectionState(_unseen(pg, name))
+    return False
+
+
+def _unseen(pg: psycopg.Connection[Any], name: str) -> str:
+    """Why a connection does not see a lease that is held: a snapshot taken before the grant
+    (REPEATABLE READ, SERIALIZABLE), or another database."""
+    isolation = _conn.fetch(pg, _sql.TRANSACTION_ISOLATION)[0][0][0]
+    if isolation in ("repeatable read", "serializable"):
+        return (
+            f"guard(): this {isolation} transaction does not see lease {name!r}, which is still "
+            "held: the transaction's snapshot is older than the grant; start the transaction "
+            "after acquiring"
+        )
+    return (
+        f"guard(): this connection does not see lease {name!r}, which is still held: is it "
+        "connected to the lease's database?"
+    )

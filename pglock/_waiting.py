@@ -1,0 +1,396 @@
+"""Waiting for a TTL row: the process's waiter queues (first in, first out per name) and the
+NOTIFY listeners that wake them (docs/how-it-works.md, "Leases and semaphores")."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from ._keys import remaining as _remaining
+from ._source import Source, listen_deadline, open_listening
+
+logger = logging.getLogger("pglock.ttl")
+
+#: The longest sleep of a waiter between looks while its listener is up (jittered): a safety
+#: net for releases that send no NOTIFY. While it is down, a jittered backoff (DEGRADED_POLL).
+FALLBACK_POLL = (2.0, 4.0)
+DEGRADED_POLL = (0.05, 1.0)
+#: A listener with no waiters for this long closes its connection.
+LISTENER_IDLE = 30.0
+#: How often a listener looks up from its connection (idle check, stop requests).
+_LISTENER_TICK = 0.5
+
+Key = tuple[Any, ...]
+#: An attempt's outcome: the grant (None: none), whether the database refused (rather than no
+#: answer, or a grant too late), and when to look again (monotonic; None: at the next wake-up).
+Attempt = tuple[Any, bool, float | None]
+#: Whether close() ended a wait.
+Closed = Callable[[], bool]
+
+
+@dataclass(frozen=True)
+class Rows:
+    """One kind of TTL row, as the shared client needs to know it.
+
+    :ivar user: ``"lease"``, ``"semaphore"``: the ``pglock.<user>`` logger, the messages.
+    :ivar channel: the NOTIFY channel of its releases in a schema (the payload is the name).
+    :ivar look_again_on_subscribe: a wait queue looks once more when it first has a listener,
+        not only when the LISTEN connection is new (as the semaphore client always has).
+    """
+
+    user: str
+    channel: Callable[[str], str]
+    look_again_on_subscribe: bool = False
+
+    @property
+    def log(self) -> logging.Logger:
+        return logging.getLogger(f"pglock.{self.user}")
+
+
+class _Queue:
+    """The local waiters of one name (and owner), first in line first."""
+
+    __slots__ = ("holder", "listening", "tickets", "version")
+
+    def __init__(self) -> None:
+        #: One condition per waiter (on the waiters' lock), the head first.
+        self.tickets: deque[threading.Condition] = deque()
+        #: Bumped on every event that may have freed the name: a NOTIFY, a local release.
+        self.version = 0
+        #: A grant of this process that holds the name (the head waits for it locally).
+        self.holder: Any = None
+        #: The head has had a listener (see :attr:`Rows.look_again_on_subscribe`).
+        self.listening = False
+
+    def wake_head(self) -> None:
+        self.version += 1
+        if self.tickets:
+            self.tickets[0].notify()
+
+
+class _Listener:
+    """One LISTEN connection for a (source, schema, channel) and the thread that reads it."""
+
+    def __init__(self, rows: Rows, source: Source, schema: str, deadline: float) -> None:
+        self.rows = rows
+        self.source = source
+        self.channel = rows.channel(schema)
+        self.key = (source.key, schema, self.channel)
+        self.healthy = False
+        self.stopped = False
+        self.conn: psycopg.Connection[Any] | None = None
+        self._close: Callable[[], None] | None = None
+        self._connect(deadline)  # in the caller's thread: LISTEN is active before it looks
+        name = f"pglock-{rows.user}-listener-{schema}"
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _connect(self, deadline: float) -> psycopg.Connection[Any]:
+        self.conn, self._close = open_listening(self.source, self.channel, deadline)
+        self.healthy = True
+        return self.conn
+
+    def _drop(self) -> None:
+        self.healthy = False
+        close, self.conn, self._close = self._close, None, None
+        if close is not None:
+            try:
+                close()
+            except Exception:
+                logger.debug("closing the listener connection failed", exc_info=True)
+
+    def _run(self) -> None:
+        # Only this thread touches the connection once it runs; others set ``stopped``.
+        backoff, idle_since = 0.1, time.monotonic()
+        try:
+            while not self.stopped:
+                conn = self.conn
+                if conn is None:
+                    try:
+                        conn = self._connect(listen_deadline(None))
+                    except Exception as exc:
+                        self.rows.log.debug("%s listener reconnect failed: %r", self.rows.user, exc)
+                        time.sleep(backoff)
+                        backoff = min(backoff * 2, 5.0)
+                        waiters.stop_listener_if_idle(self, idle_for=None)
+                        continue
+                    backoff = 0.1
+                    waiters.wake_all(self.key)  # releases may have gone unheard meanwhile
+                try:
+                    for n in conn.notifies(timeout=_LISTENER_TICK):
+                        if n.channel == self.channel:
+                            waiters.on_notify(self.key, n.payload)
+                except Exception as exc:
+                    self.rows.log.info("%s listener lost its connection (%r)", self.rows.user, exc)
+                    self._drop()
+                    waiters.wake_all(self.key)
+                    continue
+                if waiters.has_waiters(self.key):
+                    idle_since = time.monotonic()
+                else:
+                    waiters.stop_listener_if_idle(self, time.monotonic() - idle_since)
+        finally:
+            self._drop()
+
+
+class _Waiters:
+    """The process's wait queues and NOTIFY listeners.
+
+    A queue is keyed by ``(source key, schema, channel, name)`` and an owner: leases share one
+    queue per name (owner None), each semaphore object has its own. A NOTIFY wakes the head
+    of every queue of its name; a local release pokes one queue.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.queues: dict[Key, dict[object, _Queue]] = {}
+        #: Tickets waiting, per (source key, schema, channel): is its listener still needed?
+        self.waiting: Counter[Key] = Counter()
+        self.listeners: dict[Key, _Listener] = {}
+        self.listener_create = threading.Lock()
+        self.rng = random.Random()
+
+    def enqueue(self, key: Key, owner: object) -> tuple[_Queue, threading.Condition]:
+        with self.lock:
+            owners = self.queues.setdefault(key, {})
+            q = owners.get(owner) or owners.setdefault(owner, _Queue())
+            ticket = threading.Condition(self.lock)
+            q.tickets.append(ticket)
+            self.waiting[key[:3]] += 1
+            return q, ticket
+
+    def dequeue(self, key: Key, owner: object, q: _Queue, ticket: threading.Condition) -> None:
+        with self.lock:
+            was_head = bool(q.tickets) and q.tickets[0] is ticket
+            try:
+                q.tickets.remove(ticket)
+            except ValueError:
+                return
+            self.waiting[key[:3]] -= 1
+            if not self.waiting[key[:3]]:
+                del self.waiting[key[:3]]
+            if was_head and q.tickets:
+                q.tickets[0].notify()  # the next in line goes at once
+            # A queue lives while somebody waits; its holder is only of use to them.
+            owners = self.queues.get(key, {})
+            if not q.tickets and owners.get(owner) is q:
+                del owners[owner]
+                if not owners:
+                    del self.queues[key]
+
+    def wait_head(
+        self, q: _Queue, ticket: threading.Condition, deadline: float | None, closed: Closed
+    ) -> bool:
+        with self.lock:
+            while q.tickets[0] is not ticket:
+                if (left := _remaining(deadline)) == 0 or closed():
+                    return False
+                ticket.wait(left)
+            return not closed()
+
+    def sleep(
+        self, q: _Queue, ticket: threading.Condition, seen: int, until: float, closed: Closed
+    ) -> bool:
+        """Sleep until the queue's version moves on from ``seen`` (True), ``until`` passes or
+        the wait is closed."""
+        with self.lock:
+            while q.version == seen and (left := until - time.monotonic()) > 0 and not closed():
+                ticket.wait(left)
+            return q.version != seen
+
+    def wake(self, key: Key, owner: object) -> None:
+        """Wake every waiter of one queue (a close(): each asks whether it is closed)."""
+        with self.lock:
+            if (q := self.queues.get(key, {}).get(owner)) is not None:
+                for ticket in q.tickets:
+                    ticket.notify()
+
+    def on_notify(self, lkey: Key, name: str) -> None:
+        with self.lock:
+            for q in self.queues.get((*lkey, name), {}).values():
+                q.wake_head()
+
+    def wake_all(self, lkey: Key) -> None:
+        with self.lock:
+            for q in [q for k, qs in self.queues.items() if k[:3] == lkey for q in qs.values()]:
+                q.wake_head()
+
+    def poke(self, key: Key, owner: object) -> None:
+        """Wake the head of one queue (a local release)."""
+        with self.lock:
+            if (q := self.queues.get(key, {}).get(owner)) is not None:
+                q.wake_head()
+
+    def hold(self, key: Key, holder: object) -> None:
+        """A grant of this process holds the name of the shared queue ``key`` (if any)."""
+        with self.lock:
+            if (q := self.queues.get(key, {}).get(None)) is not None:
+                q.holder = holder
+
+    def ended(self, key: Key, holder: object, *, notified: bool) -> None:
+        """A grant of this process on the name of the shared queue ``key`` ended: its waiters
+        look again, unless the release sent a NOTIFY that a healthy listener will bring (the
+        next one would ask twice after the handoff)."""
+        with self.lock:
+            q = self.queues.get(key, {}).get(None)
+            if q is None:
+                return
+            if q.holder is holder:
+                q.holder = None
+            lst = self.listeners.get(key[:3])
+            if not (notified and lst is not None and lst.healthy):
+                q.wake_head()
+
+    def has_waiters(self, lkey: Key) -> bool:
+        with self.lock:
+            return lkey in self.waiting
+
+    def listener(
+        self, rows: Rows, source: Source, schema: str, deadline: float
+    ) -> tuple[_Listener | None, bool]:
+        """The (source, schema) listener of ``rows``, started if needed: (listener, created
+        now). A new one must be listening by ``deadline``; past it, waiters poll instead."""
+        key = (source.key, schema, rows.channel(schema))
+        lst = self.listeners.get(key)
+        if lst is not None:
+            return lst, False
+        with self.listener_create:  # one connect at a time; the others find it made
+            lst = self.listeners.get(key)
+            if lst is not None:
+                return lst, False
+            try:
+                lst = _Listener(rows, source, schema, deadline)
+            except Exception as exc:
+                rows.log.info(
+                    "could not LISTEN for %s releases (%r); waiters poll instead", rows.user, exc
+                )
+                return None, False
+            with self.lock:
+                self.listeners[key] = lst
+            lst.thread.start()
+            return lst, True
+
+    def stop_listener_if_idle(self, lst: _Listener, idle_for: float | None) -> None:
+        """Stop ``lst`` if nobody waits (and, given ``idle_for``, for long enough): it closes
+        its connection within a tick."""
+        with self.lock:
+            if lst.key in self.waiting or (idle_for is not None and idle_for < LISTENER_IDLE):
+                return
+            if self.listeners.get(lst.key) is lst:
+                del self.listeners[lst.key]
+            lst.healthy = False
+            lst.stopped = True
+
+    def retire(self, lkey: Key) -> None:
+        """Stop the listener of ``lkey`` now, if nobody waits."""
+        lst = self.listeners.get(lkey)
+        if lst is not None:
+            self.stop_listener_if_idle(lst, idle_for=None)
+
+    def fallback(self, lst: _Listener | None, polls: int) -> float:
+        if lst is not None and lst.healthy:
+            return self.rng.uniform(*FALLBACK_POLL)
+        low, high = DEGRADED_POLL
+        return self.rng.uniform(0.5, 1.0) * min(high, low * 2.0 ** min(polls, 30))
+
+
+def wait(
+    rows: Rows, source: Source, schema: str, name: str, owner: object, deadline: float | None,
+    attempt: Callable[[float | None], Attempt],
+    local_wake: Callable[[Any], float | None] | None = None,
+    closed: Closed = lambda: False,
+) -> Any:
+    """Wait for a grant of ``name`` until ``deadline`` (monotonic; None: forever) or until
+    ``closed()``: the grant of the first ``attempt`` that gives one, or None.
+
+    The waiters of one queue (``owner`` None: the name's, shared) go first in, first out; only
+    the head calls ``attempt(seconds left)``. After a refusal it LISTENs for the releases of
+    ``rows`` on the source and schema, and sleeps until a NOTIFY for the name, a local
+    release, the instant the attempt named, or a jittered fallback poll. While a grant of this
+    process holds the name, ``local_wake(holder)`` says when to look again (None: now) and
+    nothing is polled.
+    """
+    key = (source.key, schema, rows.channel(schema), name)
+    q, ticket = waiters.enqueue(key, owner)
+    try:
+        if not waiters.wait_head(q, ticket, deadline, closed):
+            return None
+        listener: _Listener | None = None
+        polls = 0
+        while not closed():
+            with waiters.lock:
+                seen, local = q.version, q.holder
+            wake_at = None if local_wake is None else local_wake(local)
+            if wake_at is None or wake_at <= time.monotonic():
+                granted, refused, wake_at = attempt(_remaining(deadline))
+                if granted is not None:
+                    return granted
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                if refused:
+                    listener, again = _listen(rows, q, listener, source, schema, deadline)
+                    if again:
+                        continue  # LISTEN is active now: look once more, then sleep
+            if wake_at is None or local is None:
+                polls += 1
+                poll = time.monotonic() + waiters.fallback(listener, polls)
+                wake_at = poll if wake_at is None else min(wake_at, poll)
+            if deadline is not None:
+                wake_at = min(wake_at, deadline)
+            woken = waiters.sleep(q, ticket, seen, wake_at, closed)
+            if not woken and deadline is not None and time.monotonic() >= deadline:
+                return None
+        return None
+    finally:
+        waiters.dequeue(key, owner, q, ticket)
+
+
+def wake(key: Key | None, owner: object) -> None:
+    """Wake the waiters of the queue ``key`` of ``owner`` now (a close())."""
+    if key is not None:
+        waiters.wake(key, owner)
+
+
+def _listen(
+    rows: Rows, q: _Queue, listener: _Listener | None, source: Source, schema: str,
+    deadline: float | None,
+) -> tuple[_Listener | None, bool]:
+    """A refused head's NOTIFY listener, and whether to look once more before sleeping (a
+    release sent before LISTEN was active went unheard)."""
+    if listener is not None and listener.healthy:
+        return listener, False
+    lst, created = waiters.listener(rows, source, schema, listen_deadline(deadline))
+    first = lst is not None and not q.listening
+    q.listening = q.listening or lst is not None
+    return lst, created or (first and rows.look_again_on_subscribe)
+
+
+def stop_listeners() -> None:
+    """Stop every listener now: each closes its connection within a tick."""
+    with waiters.lock:
+        listeners, waiters.listeners = list(waiters.listeners.values()), {}
+        for lst in listeners:
+            lst.healthy = False
+            lst.stopped = True
+
+
+#: The process's queues and listeners (a new set after a fork: threads and connections do not
+#: survive it).
+waiters = _Waiters()
+
+
+def _after_fork_in_child() -> None:
+    global waiters
+    waiters = _Waiters()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
