@@ -6,7 +6,7 @@ and the name -> key contract (:func:`key`). See the README for which lock fits w
 
 from __future__ import annotations
 
-from ._advisory import PgLock, pg_lock, try_xact_lock, xact_lock
+from ._advisory import PgLock, pg_lock
 from ._inspect import AdvisoryLock, SemaphoreHolder, SemaphoreInfo, advisory_locks, semaphores
 from ._keys import MAX_NAME_BYTES, key
 from ._leader import LeaderElection, leader
@@ -16,6 +16,7 @@ from ._pool import PoolLock, pool_lock, reset_connection
 from ._rwlock import RWLock, rwlock
 from ._semaphore import Permit, Semaphore, semaphore
 from ._singleton import Singleton, singleton
+from ._xact import try_xact_lock, xact_lock
 from .errors import (
     DeadlockDetected,
     HolderInUse,

@@ -3,7 +3,8 @@
 * :func:`resolve` turns a psycopg ``Connection``, a SQLAlchemy ``Connection`` or an ORM
   ``Session`` (psycopg driver) into the underlying psycopg connection, refusing anything else.
 * :func:`run` sends one statement (or a ``;``-joined batch) and translates Postgres errors
-  by SQLSTATE into pglock errors, in this one place.
+  by SQLSTATE into pglock errors, in this one place; :class:`Flight` lets close() cancel a
+  lock object's waiting statement.
 * :class:`ConnState` is pglock's per-connection bookkeeping, kept in a weak registry: which
   keys pglock holds on that session, for which threads, and what it learned about the server.
 """
@@ -12,11 +13,10 @@ from __future__ import annotations
 
 import logging
 import select
-import shlex
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -115,7 +115,7 @@ def _driver_connection(sa_conn: Any) -> psycopg.Connection[Any]:
 
 def _check_open(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     if conn.closed or conn.broken:
-        raise InvalidConnectionState("the connection is closed")
+        raise InvalidConnectionState.closed()
     return conn
 
 
@@ -140,11 +140,9 @@ def stable_status(conn: psycopg.Connection[Any]) -> TransactionStatus:
 def check_usable(conn: psycopg.Connection[Any]) -> TransactionStatus:
     status = stable_status(conn)
     if conn.closed or conn.broken:
-        raise InvalidConnectionState("the connection is closed")
+        raise InvalidConnectionState.closed()
     if status == INERROR:
-        raise InvalidConnectionState(
-            "the connection is in a failed transaction; roll it back before taking a lock"
-        )
+        raise InvalidConnectionState.failed_transaction()
     return status
 
 
@@ -168,6 +166,8 @@ class Context:
     #: The statement waits for a lock: lock timeouts, cancels, deadlocks and a full lock table
     #: read as lock errors (False: they pass unchanged, for the caller to judge).
     waits: bool = True
+    #: The wait of a lock object whose close() cancels the statement (see :class:`Flight`).
+    flight: Flight | None = None
 
     @property
     def name(self) -> str | None:
@@ -178,26 +178,26 @@ class Context:
         return self.keys[0] if self.keys else None
 
 
-class _Cursor(psycopg.Cursor[tuple[Any, ...]]):
+class _OwnAdapters:
+    __slots__ = ()
+
+    @property
+    def adapters(self) -> AdaptersMap:
+        return _ADAPTERS
+
+
+class _Cursor(_OwnAdapters, psycopg.Cursor[tuple[Any, ...]]):
     """pglock's own cursor (server-side binding): tuple rows and psycopg's default adapters,
     whatever row factory, cursor class, loaders or dumpers the caller's connection has."""
 
     __slots__ = ()
 
-    @property
-    def adapters(self) -> AdaptersMap:
-        return _ADAPTERS
 
-
-class _ClientCursor(psycopg.ClientCursor[tuple[Any, ...]]):
+class _ClientCursor(_OwnAdapters, psycopg.ClientCursor[tuple[Any, ...]]):
     """The same with client-side binding, for a connection whose owner chose it (a proxy that
     speaks only the simple query protocol): text results only, never prepared."""
 
     __slots__ = ()
-
-    @property
-    def adapters(self) -> AdaptersMap:
-        return _ADAPTERS
 
 
 #: psycopg's default adapters as they were when pglock was imported. pglock sends its
@@ -227,8 +227,10 @@ def fetch(
     params: Sequence[Any] | None = None,
     *,
     binary: bool = False,
+    flight: Flight | None = None,
 ) -> list[list[tuple[Any, ...]]]:
-    """Execute ``query`` on pglock's own cursor; return the rows of every statement that
+    """Execute ``query`` on pglock's own cursor (as the ``flight`` of a wait that close() can
+    cancel, when given); return the rows of every statement that
     returns rows, in order. Errors pass unchanged (see :func:`translate`).
 
     Without ``params`` a query may hold several ``;``-joined statements (one simple-query
@@ -238,14 +240,18 @@ def fetch(
     placeholders become ``%s`` there.
     """
     cur = cursor(conn)
+    kwargs: dict[str, bool] = {}
     if params is None:
-        cur.execute(query, prepare=False)
+        kwargs["prepare"] = False
     elif isinstance(cur, _ClientCursor):
         if binary and isinstance(query, bytes):
             query = _text_placeholders(query)
-        cur.execute(query, params)
     else:
-        cur.execute(query, params, binary=binary)
+        kwargs["binary"] = binary
+    if flight is None:
+        cur.execute(query, params, **kwargs)
+    else:
+        flight.execute(cur, query, params, kwargs)
     # The status of each result, not cur.description, which builds column objects.
     results: list[list[tuple[Any, ...]]] = []
     while True:
@@ -300,41 +306,99 @@ def _fetch(
     params: Sequence[Any] | None,
     ctx: Context | None,
 ) -> list[list[tuple[Any, ...]]]:
-    """:func:`fetch`, cut off at ``ctx.deadline`` when there is one."""
-    if ctx is None or ctx.deadline is None:
-        return fetch(conn, query, params)
-    return within(conn, ctx.deadline, lambda: fetch(conn, query, params), "a lock statement")
+    """:func:`fetch`, cut off at ``ctx.deadline`` when there is one; Postgres errors that mean
+    something for a lock become pglock errors here, by SQLSTATE."""
+    ctx = ctx or Context()
+    flight = ctx.flight
+    try:
+        if ctx.deadline is None:
+            return fetch(conn, query, params, flight=flight)
+        return within(
+            conn, ctx.deadline, lambda: fetch(conn, query, params, flight=flight),
+            "a lock statement",
+        )
+    except psycopg.Error as exc:
+        translated = translate(exc, ctx)
+        if translated is None:
+            raise
+        raise translated from exc
 
 
 def run_rows(
     conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...], ctx: Context | None = None
 ) -> list[tuple[Any, ...]]:
     """Like :func:`run_one`, returning every row (see ``_sql.LOCK_MANY``)."""
-    try:
-        results = _fetch(conn, query, params, ctx)
-    except psycopg.Error as exc:
-        translated = translate(exc, ctx or Context())
-        if translated is None:
-            raise
-        raise translated from exc
+    results = _fetch(conn, query, params, ctx)
     return results[-1] if results else []
 
 
 def run_all(
-    conn: psycopg.Connection[Any],
-    stmt: sql.SQL | sql.Composed | str | bytes,
+    conn: psycopg.Connection[Any], stmt: sql.SQL | sql.Composed | str | bytes,
     ctx: Context | None = None,
 ) -> list[list[tuple[Any, ...]]]:
-    """Execute ``stmt`` and return the rows of every statement that returns rows, in order.
+    """Execute ``stmt`` and return the rows of every statement that returns rows, in order."""
+    return _fetch(conn, stmt, None, ctx)
 
-    Postgres errors that mean something for a lock become pglock errors here, by SQLSTATE."""
-    try:
-        return _fetch(conn, stmt, None, ctx)
-    except psycopg.Error as exc:
-        translated = translate(exc, ctx or Context())
-        if translated is None:
-            raise
-        raise translated from exc
+
+class Woken(Exception):
+    """A wait's statement was not sent: its lock object was closed first."""
+
+
+class Flight:
+    """The statement a lock object's wait has in flight, and close()'s cancel of it.
+
+    The waiting thread holds psycopg's ``conn.lock`` (which every statement on the connection
+    takes) from before it sends the statement until its results are read, and registers it
+    under ``_mutex`` meanwhile. :meth:`cancel` sends ``cancel_safe()`` under ``_mutex`` only
+    while the statement is registered and sent (ACTIVE), so it never reaches another thread's
+    statement; the server drops a cancel that arrives between statements, so it is repeated
+    until the wait has left.
+    """
+
+    def __init__(self, stop: Callable[[], bool]) -> None:
+        #: True once the wait must end (its lock object was closed).
+        self.stop = stop
+        self._mutex = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._left = threading.Event()
+
+    def execute(
+        self, cur: psycopg.Cursor[Any], query: Any, params: Any, kwargs: dict[str, bool]
+    ) -> None:
+        """``cur.execute(query, params, **kwargs)``, cancellable by :meth:`cancel`."""
+        conn = cur.connection
+        with conn.lock:
+            with self._mutex:
+                if self.stop():
+                    raise Woken
+                self._conn = conn
+                self._left.clear()
+            try:
+                # What cur.execute() runs, under the lock this thread already holds.
+                conn.wait(cur._execute_gen(query, params, **kwargs))
+            finally:
+                with self._mutex:
+                    self._conn = None
+                    self._left.set()
+
+    def cancel(self) -> None:
+        """Cancel the registered statement, again until it has ended (a few seconds at
+        most); nothing when none is in flight."""
+        pause = 0.02
+        for _ in range(10):
+            with self._mutex:
+                conn = self._conn
+                if conn is None:
+                    return
+                if conn.pgconn.transaction_status == ACTIVE:
+                    try:
+                        conn.cancel_safe(timeout=5.0)
+                    except Exception:
+                        logger.debug("cancelling a waiting lock statement failed", exc_info=True)
+                        return
+            if self._left.wait(pause):
+                return
+            pause = min(2 * pause, 1.0)
 
 
 def recover_interrupted(conn: psycopg.Connection[Any], timeout: float = 5.0) -> None:
@@ -377,7 +441,7 @@ def translate(
     """
     if ctx.schema is not None:
         if isinstance(exc, _SCHEMA_MISSING):
-            return _schema_not_installed(conn, ctx.schema)
+            return SchemaNotInstalled.for_connection(conn, ctx.schema)
         if isinstance(exc, pg_errors.SequenceGeneratorLimitExceeded):
             return LockError(
                 f"the fencing-token sequence {ctx.schema}.lease_token is exhausted (it never "
@@ -397,26 +461,6 @@ def translate(
 _SCHEMA_MISSING = (
     pg_errors.UndefinedFunction, pg_errors.UndefinedTable, pg_errors.InvalidSchemaName
 )
-
-
-def _schema_not_installed(
-    conn: psycopg.Connection[Any] | None, schema: str
-) -> SchemaNotInstalled:
-    """The error for a database without the pglock schema, with the exact install command."""
-    try:
-        assert conn is not None
-        dsn, db = conn.info.dsn, conn.info.dbname  # libpq leaves the password out
-    except Exception:
-        dsn, db = "<your DSN>", "?"
-    command = f"pglock install --dsn {shlex.quote(dsn)} --schema {schema}"
-    return SchemaNotInstalled(
-        schema,
-        message=(
-            f"the pglock schema {schema!r} is not installed (or is out of date) in database "
-            f"{db!r}; install it with: {command}  (or include pglock's migrations in your "
-            "Alembic and run 'alembic upgrade pglock@head')"
-        ),
-    )
 
 
 # --- per-connection bookkeeping ----------------------------------------------------------

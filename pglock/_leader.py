@@ -1,23 +1,7 @@
-"""Leader election: one leader among many candidates, on a session advisory lock.
+"""Leader election (:class:`LeaderElection`): one leader among many candidates, on a session
+advisory lock held on a connection pglock opens for each candidate.
 
-Leadership is the exclusive session advisory lock on ``key(name)``, held on a connection that
-pglock opens for the candidate alone (never a pooled one, which could be reset or closed under
-it). Postgres ends the lock the moment that session ends, so a crashed leader is replaced at
-once; the candidate's background thread checks its session at least every ``check_interval``.
-
-Why a new leader waits before acting. Postgres grants the lock to the next candidate as soon as
-the old session ends, but the old leader may not know yet (its session was terminated, or the
-network path broke, or the process was paused). A candidate therefore believes in its
-leadership only for a *validity window* ``W`` after sending the last check that confirmed it
-(``is_leader`` reads False afterwards until the next check succeeds), and a new leader starts
-acting only ``takeover_delay`` (default ``W``) after winning the lock. The old leader's last
-confirmation was sent before its session ended, hence before the new grant; so its belief has
-run out before the new leader's begins, whatever made the old session end, as long as both
-machines' clocks run at the same rate. :meth:`LeaderElection.guard` adds a hard fence for
-writes to the same database; ``term`` is a fencing token for everything else.
-
-Terms are 64-bit transaction ids taken just after winning (``pg_current_xact_id()``), committed
-synchronously: they increase with every new leader, survive restarts, and need no schema.
+Why a new leader waits before acting, the validity window and terms: docs/leader.md.
 """
 
 from __future__ import annotations
@@ -35,7 +19,8 @@ from typing import TYPE_CHECKING, Any, TypedDict, cast
 import psycopg
 from psycopg import conninfo as pg_conninfo
 
-from . import _advisory, _conn, _sql
+from . import _advisory, _conn, _sql, _xact
+from ._base import release_after
 from ._classify import Kind, check_driver, classify
 from ._keys import _key, key, validate_name, validate_timeout
 from .errors import LockError, LockLost, LockNotAcquired, UnsupportedServer
@@ -305,8 +290,8 @@ class LeaderElection:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
-        self.resign()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        release_after(self.resign, exc, repr(self))
 
     def wait_elected(self, timeout: float | None = None) -> bool:
         """Block until this candidate is the leader; False on timeout or after resign.
@@ -354,8 +339,9 @@ class LeaderElection:
         if not leading or session is None or term is None:
             raise LockLost(self._name, reason="this candidate is not the leader")
         label = f"{self._name} (leader fence)"
-        if not _advisory._xact_acquire(
-            target, [self._fence_key], [label], shared=True, timeout=None
+        if not _xact.xact_acquire(
+            target, [self._fence_key], [label], shared=True, timeout=None,
+            api="LeaderElection.guard",
         ):  # pragma: no cover - timeout=None waits
             raise LockNotAcquired(label)
         rows = _conn.run(target.conn, _sql.leader_holds(self._key, *session))
@@ -585,11 +571,11 @@ class LeaderElection:
                     self._cond.notify_all()
 
 
-class _Stopped(LockError):
+class _Stopped(Exception):
     """Internal: the campaign was asked to stop."""
 
 
-class _TermOver(LockError):
+class _TermOver(Exception):
     """Internal: the validity window expired while a check was in flight."""
 
 

@@ -27,6 +27,8 @@ through ``multiprocessing`` or a task queue.
 
 from __future__ import annotations
 
+import shlex
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -72,15 +74,44 @@ class LockNotAcquired(LockError, TimeoutError):
         self.name = name
         self.key = key
         self.timeout = timeout
-        if message is None:
-            what = _describe(name, key)
-            if timeout is None:
-                message = f"could not acquire {what}"
-            elif timeout == 0:
-                message = f"could not acquire {what}: it is held by another session"
-            else:
-                message = f"could not acquire {what} within {timeout:.2f} s"
-        super().__init__(message)
+        super().__init__(message or _could_not(_describe(name, key), timeout))
+
+    @classmethod
+    def for_names(
+        cls,
+        names: Sequence[str],
+        *,
+        keys: Sequence[int] = (),
+        timeout: float | None = None,
+        what: str = "lock",
+        busy: str | None = "it is held by another session",
+        detail: str | None = None,
+        message: str | None = None,
+    ) -> LockNotAcquired:
+        """The error for ``names`` (one lock or several taken together) not acquired within
+        ``timeout``: ``name`` is the one name or the names joined, ``key`` the one key.
+
+        :param what: the kind of thing, as the message names it (``"lease"``, ``"2 permit(s)
+            of semaphore"``).
+        :param busy: why a try (``timeout=0``) failed; None says "within 0.00 s".
+        :param detail: appended after a colon (who holds it, why it was refused).
+        :param message: the whole message instead.
+        """
+        name = ", ".join(names) if names else None
+        key = keys[0] if len(keys) == 1 else None
+        text = _could_not(f"{what} {name!r}" if name is not None else what, timeout, busy)
+        text = message or (f"{text}: {detail}" if detail else text)
+        return cls(name, key=key, timeout=timeout, message=text)
+
+
+def _could_not(
+    what: str, timeout: float | None, busy: str | None = "it is held by another session"
+) -> str:
+    if timeout is None:
+        return f"could not acquire {what}"
+    if timeout == 0 and busy is not None:
+        return f"could not acquire {what}: {busy}"
+    return f"could not acquire {what} within {timeout:.2f} s"
 
 
 class LockLost(LockError):
@@ -95,6 +126,11 @@ class LockLost(LockError):
         self.reason = reason
         what = f"lock {name!r}" if name is not None else "lock"
         super().__init__(f"{what} was lost: {reason}")
+
+    @classmethod
+    def for_names(cls, names: Sequence[str], reason: str) -> LockLost:
+        """The error for a lock on ``names`` (taken together) found lost."""
+        return cls(", ".join(names), reason=reason)
 
 
 class DeadlockDetected(LockError):
@@ -166,6 +202,32 @@ class InvalidConnectionState(LockError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
+
+    @classmethod
+    def closed(cls) -> InvalidConnectionState:
+        return cls("the connection is closed")
+
+    @classmethod
+    def failed_transaction(cls) -> InvalidConnectionState:
+        return cls("the connection is in a failed transaction; roll it back before taking a lock")
+
+    @classmethod
+    def no_transaction(cls, api: str, consequence: str, hint: str = "") -> InvalidConnectionState:
+        """``api`` was called in autocommit mode, where what it takes would end at once."""
+        return cls(
+            f"{api} needs an open transaction: this connection is in autocommit mode, so "
+            f"{consequence}; use 'with conn.transaction():'{hint}"
+        )
+
+    @classmethod
+    def shared_transaction(cls, name: str) -> InvalidConnectionState:
+        """Another thread holds (or takes) ``name`` as a transaction lock in this same
+        transaction."""
+        return cls(
+            f"another thread holds {name!r} in this same transaction on this connection (as a "
+            "transaction lock, or is taking it now); threads sharing one transaction cannot "
+            "exclude each other, so use one connection per thread"
+        )
 
 
 class UnsupportedServer(LockError):
@@ -245,6 +307,24 @@ class SchemaNotInstalled(LockError):
                 f"with: pglock install --dsn <your DSN> --schema {schema}  "
                 "(or run 'alembic upgrade pglock@head' with pglock's migrations)"
             )
+        )
+
+    @classmethod
+    def for_connection(cls, conn: Any, schema: str) -> SchemaNotInstalled:
+        """The error for the database of ``conn`` (a psycopg connection, or None), with the
+        exact install command (libpq leaves the password out of the DSN)."""
+        try:
+            dsn, db = conn.info.dsn, conn.info.dbname
+        except Exception:
+            dsn, db = "<your DSN>", "?"
+        command = f"pglock install --dsn {shlex.quote(dsn)} --schema {schema}"
+        return cls(
+            schema,
+            message=(
+                f"the pglock schema {schema!r} is not installed (or is out of date) in database "
+                f"{db!r}; install it with: {command}  (or include pglock's migrations in your "
+                "Alembic and run 'alembic upgrade pglock@head')"
+            ),
         )
 
 

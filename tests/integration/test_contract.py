@@ -111,7 +111,8 @@ def _param(k: Kind) -> Any:
 
     if k.id.startswith("rw"):
         moved = any(
-            isinstance(c, type) and issubclass(c, _base.BaseLock) and c is not _base.BaseLock
+            isinstance(c, type) and issubclass(c, _base.BaseLock)
+            and c not in (_base.BaseLock, pglock.PgLock)  # imported by _rwlock, not its own
             for c in vars(_rwlock).values()
         )
     else:

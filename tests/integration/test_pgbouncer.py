@@ -32,6 +32,7 @@ import psycopg_pool
 import pytest
 from _counter import run_counter
 from _truth import holder_pids as holders
+from _wire import RecordingConnection
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pglock
@@ -272,24 +273,22 @@ def test_direct_connection_is_not_mistaken_for_a_pooler(
 
 
 def test_detection_costs_no_round_trip_per_acquire(
-    conn: psycopg.Connection[Any], name: str, monkeypatch: pytest.MonkeyPatch
+    pg_dsn: str, app_name: str, name: str
 ) -> None:
-    """After the first use (one probe), a lock cycle sends exactly lock + unlock."""
-    with pglock.pg_lock(conn, name):
-        pass
-    sent: list[str] = []
-    real = psycopg.Cursor.execute
-
-    def counting(self: psycopg.Cursor[Any], query: Any, *args: Any, **kwargs: Any) -> Any:
-        sent.append(str(query))
-        return real(self, query, *args, **kwargs)
-
-    monkeypatch.setattr(psycopg.Cursor, "execute", counting)
-    for _ in range(3):
+    """After the first use (one probe), a lock cycle sends exactly lock + unlock (counted on
+    the wire: a waiting lock statement does not go through ``Cursor.execute``)."""
+    conn = RecordingConnection.connect(pg_dsn, autocommit=True, application_name=app_name)
+    try:
         with pglock.pg_lock(conn, name):
             pass
-    monkeypatch.undo()
-    assert len(sent) == 6, sent
+        conn.sent.clear()
+        for _ in range(3):
+            with pglock.pg_lock(conn, name):
+                pass
+        sent = conn.sent
+        assert len(sent) == 6, sent
+    finally:
+        conn.close()
 
 
 def test_raw_session_locks_through_transaction_pooling_break(

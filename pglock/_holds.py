@@ -1,0 +1,238 @@
+"""Which threads hold which keys on one connection: pglock's arbitration between threads
+that share a session (docs/how-it-works.md, "Threads sharing a connection" and "Transaction
+locks"). Bookkeeping only; the SQL is sent by :mod:`pglock._advisory` and :mod:`pglock._xact`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import psycopg
+
+from ._conn import IDLE, ConnState, KeyHold, XactHold
+from ._keys import remaining
+from .errors import InvalidConnectionState, LockError
+
+#: The outcome of a transaction-lock statement that ended in an unexpected error or an
+#: interrupt: the lock may be held, so pg_locks decides when another thread asks.
+UNKNOWN: Any = object()
+
+
+class Recheck(Exception):
+    """Another thread's settled transaction-lock records conflict: check them in pg_locks."""
+
+    def __init__(self, records: dict[int, XactHold]) -> None:
+        super().__init__("recheck")
+        self.records = records
+
+
+def _blocked(
+    state: ConnState, keys: Sequence[int], names: Sequence[str], me: threading.Thread, mode: str
+) -> bool:
+    """Under ``state.cond``: must ``me`` wait before taking ``keys`` as a session lock?"""
+    for k, n in zip(keys, names, strict=True):
+        hold = state.holds.get(k)
+        if hold is None:
+            continue
+        if me in hold.owners:
+            if hold.mode == "s" and mode == "x":
+                raise LockError(
+                    f"this thread holds {n!r} shared and asks for it exclusive: "
+                    "upgrading a lock is not supported; release it first"
+                )
+            continue  # re-entry, counted
+        if hold.pending or hold.mode == "x" or mode == "x":
+            return True
+    return False
+
+
+def reserve(
+    conn: psycopg.Connection[Any],
+    state: ConnState,
+    keys: Sequence[int],
+    names: Sequence[str],
+    *,
+    shared: bool,
+    deadline: float | None,
+    stop: Callable[[], bool],
+    checked: bool = False,
+) -> list[int] | None:
+    """Wait until no other thread holds ``keys`` on this session in a conflicting mode, then
+    record this thread as a holder. Returns the keys the session must still take from
+    Postgres, or None at the deadline or once ``stop()``. All keys are granted together: a
+    thread never waits while holding some.
+
+    Another thread's transaction lock on a key in the transaction open on this connection
+    refuses at once (:func:`xact_conflicts`: pglock cannot wait for that transaction to end
+    on the same connection)."""
+    me = threading.current_thread()
+    mode = "s" if shared else "x"
+    with state.cond:
+        while True:
+            if state.xact:
+                xact_conflicts(conn, state, keys, names, checked)
+            if not _blocked(state, keys, names, me, mode):
+                break
+            left = remaining(deadline)
+            if left == 0.0 or stop():
+                return None
+            state.cond.wait(left)
+        need: list[int] = []
+        for k in keys:
+            hold = state.holds.get(k)
+            if hold is None:
+                state.holds[k] = KeyHold(mode, {me: 1}, pending=True)
+                need.append(k)
+            else:
+                hold.owners[me] = hold.owners.get(me, 0) + 1
+        return need
+
+
+def unreserve(state: ConnState, keys: Sequence[int], me: threading.Thread) -> list[int]:
+    """Drop one count of ``me`` from ``keys``; return the keys no thread holds any more.
+
+    Those stay recorded as pending (so other threads wait) until :func:`settle` runs."""
+    with state.cond:
+        emptied: list[int] = []
+        for k in keys:
+            hold = state.holds.get(k)
+            if hold is None:
+                continue
+            left = hold.owners.get(me, 0) - 1
+            if left > 0:
+                hold.owners[me] = left
+            else:
+                hold.owners.pop(me, None)
+            if not hold.owners:
+                hold.pending = True
+                emptied.append(k)
+        return emptied
+
+
+def settle(state: ConnState, granted: Sequence[int], dropped: Sequence[int]) -> None:
+    with state.cond:
+        for k in granted:
+            hold = state.holds.get(k)
+            if hold is not None:
+                hold.pending = False
+        for k in dropped:
+            state.holds.pop(k, None)
+        state.cond.notify_all()
+
+
+# -- transaction locks ---------------------------------------------------------------------
+
+
+def xact_conflicts(
+    conn: psycopg.Connection[Any],
+    state: ConnState,
+    keys: Sequence[int],
+    names: Sequence[str],
+    checked: bool,
+) -> None:
+    """Under ``state.cond``: refuse, or ask for a pg_locks check (:class:`Recheck`), when
+    another thread has a transaction-lock record on one of ``keys``.
+
+    Records of a transaction that has ended are dropped here without SQL when the connection
+    is idle (read after the record was settled, so that transaction is over). A pending
+    record (another thread's statement in flight, in the transaction now open) refuses at
+    once, as does any conflicting record once pg_locks was checked (``checked``): it was made
+    since, in this transaction."""
+    me = threading.current_thread()
+    foreign = {k: r for k in keys if (r := state.xact.get(k)) is not None and r.owner is not me}
+    if foreign and conn.pgconn.transaction_status == IDLE:
+        for k, r in list(foreign.items()):
+            if not r.pending:
+                del state.xact[k]
+                del foreign[k]
+    if not foreign:
+        return
+    if checked or any(r.pending for r in foreign.values()):
+        first = list(keys).index(next(iter(foreign)))
+        raise InvalidConnectionState.shared_transaction(names[first])
+    raise Recheck(foreign)
+
+
+def xact_reserve(
+    conn: psycopg.Connection[Any],
+    state: ConnState,
+    keys: Sequence[int],
+    names: Sequence[str],
+    *,
+    shared: bool,
+    deadline: float | None,
+    checked: bool = False,
+) -> dict[int, XactHold | None] | None:
+    """Record this thread as taking ``keys`` in the connection's transaction, before any SQL.
+
+    Waits first (in-process, until ``deadline``) while another thread holds one of the keys
+    as a session lock on this connection in a conflicting mode: Postgres would grant this
+    session the key at once. Returns the records it replaced (restored if the attempt fails),
+    or None at the deadline.
+
+    :raises InvalidConnectionState: another thread holds or is taking a key in this same
+        transaction.
+    :raises Recheck: another thread's record conflicts and pg_locks must say if it is stale.
+    """
+    me = threading.current_thread()
+    mode = "s" if shared else "x"
+    with state.cond:
+        while state.holds and _session_conflict(state, keys, me, mode):
+            left = remaining(deadline)
+            if left == 0.0:
+                return None
+            state.cond.wait(left)
+        if state.xact:
+            xact_conflicts(conn, state, keys, names, checked)
+        prior = {k: state.xact.get(k) for k in keys}
+        for k in keys:
+            state.xact[k] = XactHold(me, mode)
+        return prior
+
+
+def _session_conflict(
+    state: ConnState, keys: Sequence[int], me: threading.Thread, mode: str
+) -> bool:
+    """Under ``state.cond``: does another thread hold (or take, or give back) one of ``keys``
+    as a session lock on this connection, in a mode that excludes ``mode``?"""
+    for k in keys:
+        hold = state.holds.get(k)
+        if hold is None:
+            continue
+        if not hold.owners:
+            return True  # being released: the session holds it until the unlock has run
+        others = any(o is not me for o in hold.owners)
+        if others and (hold.mode == "x" or mode == "x"):
+            return True
+    return False
+
+
+def xact_settle(
+    state: ConnState, keys: Sequence[int], prior: dict[int, XactHold | None], started: Any
+) -> None:
+    """Turn this attempt's reservations into records (granted), back into what they replaced
+    (not granted: ``started`` is None), or into records of unknown outcome (:data:`UNKNOWN`:
+    an unexpected error or an interrupt)."""
+    me = threading.current_thread()
+    with state.cond:
+        mine = {k: r for k in keys if (r := state.xact.get(k)) is not None and r.owner is me}
+        if started is None:
+            for k in mine:
+                before = prior.get(k)
+                if before is None:
+                    del state.xact[k]
+                else:
+                    state.xact[k] = before
+            return
+        if started is not UNKNOWN and len(state.xact) > len(mine):
+            # Records of other, ended transactions (the connection has one at a time).
+            for k in [
+                k for k, r in state.xact.items()
+                if not r.pending and r.started is not None and r.started != started
+            ]:
+                del state.xact[k]
+        for r in mine.values():
+            r.pending = False
+            r.started = None if started is UNKNOWN else started
