@@ -23,15 +23,15 @@ def wait_for(blocking: object, timeout: object, default: float | None) -> float 
     """The seconds an ``acquire(blocking, timeout)`` may wait: ``None`` forever, ``0`` once.
 
     ``timeout`` omitted (:data:`DEFAULT`) is the lock's own ``default``. ``blocking=False``
-    tries once whatever that default is; an explicit positive or infinite timeout with it is a
-    ``ValueError``, as for :meth:`threading.Lock.acquire`.
+    tries once whatever that default is; an explicit positive timeout with it is a ``ValueError``,
+    as for :meth:`threading.Lock.acquire` (an explicit ``None`` or ``0`` is not).
     """
     validate_flag(blocking, "blocking")
     explicit = timeout is not DEFAULT
     value = validate_timeout(timeout) if explicit else default
     if blocking:
         return value
-    if explicit and value != 0:
+    if explicit and value not in (None, 0):
         raise ValueError("can't specify a timeout for a non-blocking acquire")
     return 0.0
 

@@ -98,29 +98,7 @@ KINDS = [
 ]
 
 
-# TEMPORARY while the kinds move onto pglock._base.BaseLock one by one (removed when the last
-# one lands, so that the suite then enforces the contract on every kind).
-_CLASS = {
-    "pg_lock": "PgLock", "pool_lock": "PoolLock", "lease": "Lease", "semaphore": "Semaphore",
-    "rwlock-read": "RWLock", "rwlock-write": "RWLock", "singleton": "Singleton",
-}
-
-
-def _param(k: Kind) -> Any:
-    from pglock import _base, _rwlock
-
-    if k.id.startswith("rw"):
-        moved = any(
-            isinstance(c, type) and issubclass(c, _base.BaseLock)
-            and c not in (_base.BaseLock, pglock.PgLock)  # imported by _rwlock, not its own
-            for c in vars(_rwlock).values()
-        )
-    else:
-        moved = issubclass(getattr(pglock, _CLASS[k.id]), _base.BaseLock)
-    return pytest.param(k, id=k.id, marks=[] if moved else [pytest.mark.xfail(reason="not moved")])
-
-
-@pytest.fixture(params=[_param(k) for k in KINDS])
+@pytest.fixture(params=KINDS, ids=[k.id for k in KINDS])
 def kind(request: pytest.FixtureRequest) -> Kind:
     return request.param  # type: ignore[no-any-return]
 
@@ -198,6 +176,8 @@ def test_blocking_false_tries_once_whatever_the_default_timeout(
     with held_by_rival(kind, env, name):
         started = time.monotonic()
         assert lock.acquire(blocking=False) is False
+        assert lock.acquire(blocking=False, timeout=None) is False  # as threading's -1
+        assert lock.acquire(blocking=False, timeout=0) is False
         assert time.monotonic() - started < 20  # it did not wait for the default 30 s
     assert lock.acquire(blocking=False) is True
     lock.release()
