@@ -415,7 +415,7 @@ def _session_lock(
             row = _conn.run_one(conn, _sql.LOCK_ONE[(False, shared, try_)], (keys[0],), ctx)
             rows = [(keys[0], row[0] if row else None)]
         elif stmt is None:
-            rows = _conn.run_rows(conn, _sql.LOCK_MANY[(shared, try_)], (keys,), ctx)
+            rows = _conn.run(conn, _sql.LOCK_MANY[(shared, try_)], ctx, (keys,))
         else:
             rows = _conn.run(conn, stmt, ctx)
         if own_tx:
