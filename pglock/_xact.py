@@ -1,8 +1,5 @@
-"""Transaction-level advisory locks on a caller's connection: ``xact_lock`` and
-``try_xact_lock``, released by Postgres when the caller's transaction ends.
-
-The design is explained in docs/how-it-works.md ("Transaction locks").
-"""
+"""Transaction-level advisory locks on a caller's connection (docs/how-it-works.md,
+"Transaction locks")."""
 
 from __future__ import annotations
 
@@ -54,8 +51,7 @@ def xact_lock(
     validate_flag(shared, "shared")
     t = validate_timeout(timeout)
     target = _conn.resolve(conn, "xact_lock")
-    keys = [k for k, _ in pairs]
-    names_ = [n for _, n in pairs]
+    keys, names_ = [k for k, _ in pairs], [n for _, n in pairs]
     if not xact_acquire(target, keys, names_, shared=shared, timeout=t):
         raise LockNotAcquired.for_names(names_, keys=keys, timeout=t)
 
@@ -74,16 +70,11 @@ def try_xact_lock(conn: object, names: str | Sequence[str], *, shared: bool = Fa
 
 
 def xact_acquire(
-    target: Target,
-    keys: list[int],
-    names: list[str],
-    *,
-    shared: bool,
-    timeout: float | None,
+    target: Target, keys: list[int], names: list[str], *, shared: bool, timeout: float | None,
     api: str = "xact_lock",
 ) -> bool:
-    """Take a transaction lock on ``keys`` in the transaction open on ``target``; False when
-    not acquired within ``timeout``."""
+    """Take a transaction lock on ``keys`` in ``target``'s open transaction; False when not
+    acquired within ``timeout``."""
     conn = target.conn
     if _conn.check_usable(conn) == IDLE and conn.autocommit:
         raise InvalidConnectionState.no_transaction(
@@ -113,7 +104,7 @@ def xact_acquire(
             )
             if started is not AGAIN:
                 break
-        if started is AGAIN:
+        else:
             started = None
     finally:
         _holds.xact_settle(state, keys, prior, started)
@@ -124,19 +115,11 @@ def xact_acquire(
 
 
 def _statement(
-    conn: psycopg.Connection[Any],
-    state: ConnState,
-    keys: list[int],
-    names: list[str],
-    *,
-    shared: bool,
-    timeout: float | None,
-    ctx: Context,
+    conn: psycopg.Connection[Any], state: ConnState, keys: list[int], names: list[str], *,
+    shared: bool, timeout: float | None, ctx: Context,
 ) -> Any:
-    """Send the transaction-lock statement: the transaction's identity (its start) when
-    granted, None when not acquired in time, ``AGAIN`` when the session's own timeouts cut a
-    wait without a timeout short (send it again). A failed attempt leaves the caller's
-    transaction as it was (pglock's savepoint is rolled back)."""
+    """Send the transaction-lock statement: the transaction's start when granted, None when not
+    acquired in time, ``AGAIN`` to send it again (see :func:`_run`)."""
     try_ = timeout == 0
     registering = _registry.pending(conn, state, keys, names)
     limit = wait_limit(timeout, state)
@@ -160,9 +143,8 @@ def _statement(
 def _run(
     conn: psycopg.Connection[Any], state: ConnState, timeout: float | None, send: Callable[[], _T],
 ) -> _T | Any:
-    """``send()``; None when the lock was not acquired in time, ``AGAIN`` when the session's
-    own timeouts cut the wait short. After any failure the caller's transaction is back as it
-    was before pglock's savepoint."""
+    """``send()``; None when not acquired in time, ``AGAIN`` when the session's own timeouts cut
+    the wait short. After any failure, rolls back to pglock's savepoint."""
     try:
         return send()
     except BaseException as exc:
@@ -173,26 +155,15 @@ def _run(
 
 
 def _batch(
-    conn: psycopg.Connection[Any],
-    state: ConnState,
-    keys: list[int],
-    *,
-    shared: bool,
-    timeout: float | None,
-    limit: int | None,
-    registering: Any,
-    ctx: Context,
+    conn: psycopg.Connection[Any], state: ConnState, keys: list[int], *, shared: bool,
+    timeout: float | None, limit: int | None, registering: Any, ctx: Context,
 ) -> Any:
-    """Several keys, a wait limit, or a name to register: the statement as a batch under
-    pglock's savepoint. The transaction's start when granted, None when not, ``AGAIN`` to
-    send it again (see :func:`_xact_statement`)."""
+    """:func:`_statement` for several keys, a wait limit, or a name to register: a batch under
+    pglock's savepoint."""
     try_ = timeout == 0
     parts: list[sql.Composable] = [_sql.savepoint()]
     if limit is not None:
-        parts += [
-            _sql.current_timeouts(),
-            _sql.set_local_timeouts(limit, several=len(keys) > 1),
-        ]
+        parts += [_sql.current_timeouts(), _sql.set_local_timeouts(limit, several=len(keys) > 1)]
     parts += [_sql.TRANSACTION_START, _sql.lock(keys, shared=shared, xact=True, try_=try_)]
     # One round trip in the common cases: the savepoint can be released in the same batch
     # unless a partial multi-key try must be rolled back or SET LOCAL must be undone.
