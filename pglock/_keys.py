@@ -4,16 +4,14 @@ The contract (stable across versions, processes and platforms)::
 
     key(name) = int.from_bytes(sha256(name.encode("utf-8")).digest()[:8], "big", signed=True)
 
-Names are compared exactly: no case folding and no Unicode normalisation ("é" and "e\u0301"
-are different locks). A name is a non-empty ``str`` of at most :data:`MAX_NAME_BYTES` bytes in
-UTF-8, without NUL characters or lone surrogates.
+Names are compared exactly: no case folding, no Unicode normalisation ("é" and "e\u0301" are
+different locks). A name is a non-empty ``str`` of at most :data:`MAX_NAME_BYTES` bytes in UTF-8,
+without NUL characters or lone surrogates.
 
-Namespaces. ``Locker(source, namespace=ns)`` folds its namespace into every name: the name
-locked (and hashed) is ``f"{ns}:{name}"``, so ``Locker(pool, namespace="billing").lock("x")``
-and ``pg_lock(conn, "billing:x")`` are the same lock. A namespace follows the rules for names
-and must not contain ``":"``: the first ``":"`` of a namespaced name then separates the
-namespace, and two different namespaces can never produce the same full name. The full name
-must fit :data:`MAX_NAME_BYTES`.
+``Locker(source, namespace=ns)`` locks (and hashes) the full name ``f"{ns}:{name}"``:
+``Locker(pool, namespace="billing").lock("x")`` is ``pg_lock(conn, "billing:x")``. A namespace
+follows the rules for names and has no ``":"`` (so two namespaces never make the same full
+name); the full name must fit :data:`MAX_NAME_BYTES`.
 """
 
 from __future__ import annotations
@@ -97,9 +95,8 @@ def normalize_names(names: object) -> list[tuple[int, str]]:
 
 
 class _LockDefault:
-    """The default of ``acquire(timeout=...)`` and the like: the timeout the lock was made with.
-
-    One object for every lock kind, with a repr that reads well in ``help()``."""
+    """The default of ``acquire(timeout=...)`` and the like, for every lock kind: the timeout the
+    lock was made with (a repr that reads well in ``help()``)."""
 
     __slots__ = ()
 
