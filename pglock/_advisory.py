@@ -239,9 +239,7 @@ def drop_stale_xact(
             if state.xact.get(k) is not record:
                 continue  # changed meanwhile: judged again under the lock
             if k in held and (record.started is None or record.started == now):
-                raise InvalidConnectionState.shared_transaction(
-                    ctx.names[list(ctx.keys).index(k)]
-                )
+                raise InvalidConnectionState.shared_transaction(ctx.names[list(ctx.keys).index(k)])
             del state.xact[k]
             logger.debug("forgot a transaction-lock record that outlived its lock (key %d)", k)
 
@@ -326,9 +324,7 @@ def acquire(
             [names[keys.index(k)] for k in need], need, timeout,
             _conn.answer_deadline(deadline), flight=flight,
         )
-        granted = _session_lock(
-            conn, state, need, ctx, shared=shared, timeout=_remaining(deadline)
-        )
+        granted = _session_lock(conn, state, need, ctx, shared=shared, timeout=_remaining(deadline))
         if granted:
             _holds.settle(state, need, ())
             logger.debug("acquired %r (%s)", names, "shared" if shared else "exclusive")

@@ -157,14 +157,6 @@ class Context:
     waits: bool = True
     flight: Flight | None = None  # the wait close() cancels
 
-    @property
-    def name(self) -> str | None:
-        return self.names[0] if self.names else None
-
-    @property
-    def key(self) -> int | None:
-        return self.keys[0] if self.keys else None
-
 
 class _OwnAdapters:
     __slots__ = ()
@@ -385,12 +377,14 @@ def translate(
             )
     if not ctx.waits:
         return None
+    name = ctx.names[0] if ctx.names else None
+    key = ctx.keys[0] if ctx.keys else None
     if isinstance(exc, (pg_errors.LockNotAvailable, pg_errors.QueryCanceled)):
-        return LockNotAcquired(ctx.name, key=ctx.key, timeout=ctx.timeout)
+        return LockNotAcquired(name, key=key, timeout=ctx.timeout)
     if isinstance(exc, pg_errors.DeadlockDetected):
-        return DeadlockDetected(ctx.name, key=ctx.key)
+        return DeadlockDetected(name, key=key)
     if isinstance(exc, pg_errors.OutOfMemory):  # 53200 "out of shared memory"
-        return LockTableFull(ctx.name, key=ctx.key)
+        return LockTableFull(name, key=key)
     return None
 
 

@@ -83,8 +83,7 @@ def normalize_names(names: object) -> list[tuple[int, str]]:
         raise TypeError("a lock name must be a str, not bytes; decode it first")
     if not isinstance(names, (list, tuple, set, frozenset)):
         raise TypeError(
-            "names must be a str or a list/tuple/set of str, "
-            f"not {type(names).__name__}"
+            f"names must be a str or a list/tuple/set of str, not {type(names).__name__}"
         )
     if not names:
         raise ValueError("at least one lock name is required")
@@ -113,9 +112,7 @@ def validate_timeout(timeout: object, *, what: str = "timeout") -> float | None:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(
-            f"{what} must be None or a number of seconds, not {type(timeout).__name__}"
-        )
+        raise TypeError(f"{what} must be None or a number of seconds, not {type(timeout).__name__}")
     value = float(timeout)
     if math.isnan(value):
         raise ValueError(f"{what} must be a number of seconds, not NaN")
