@@ -132,8 +132,7 @@ def stable_status(conn: psycopg.Connection[Any]) -> TransactionStatus:
 
 def check_usable(conn: psycopg.Connection[Any]) -> TransactionStatus:
     status = stable_status(conn)
-    if conn.closed or conn.broken:
-        raise InvalidConnectionState.closed()
+    _check_open(conn)
     if status == INERROR:
         raise InvalidConnectionState.failed_transaction()
     return status

@@ -211,30 +211,27 @@ def connect_within(
 
     def run() -> None:
         try:
-            conn = connect()
+            result: psycopg.Connection[Any] | BaseException = connect()
         except BaseException as exc:
-            with lock:
-                box["error"] = exc
-            done.set()
-            return
+            result = exc
         with lock:
-            abandoned = box.get("abandoned", False)
+            abandoned = "abandoned" in box
             if not abandoned:
-                box["conn"] = conn
+                box["result"] = result
         done.set()
-        if abandoned:
-            late(conn)
+        if abandoned and not isinstance(result, BaseException):
+            late(result)
 
     threading.Thread(target=run, name="pglock-connect", daemon=True).start()
     done.wait(left)
     with lock:
-        if "conn" in box:
-            conn: psycopg.Connection[Any] = box["conn"]
-            return conn
-        if "error" in box:
-            error: BaseException = box["error"]
-            raise error
-        box["abandoned"] = True
+        outcome: psycopg.Connection[Any] | BaseException | None = box.get("result")
+        if outcome is None:
+            box["abandoned"] = True
+    if isinstance(outcome, BaseException):
+        raise outcome
+    if outcome is not None:
+        return outcome
     raise NoAnswer(
         f"pglock: opening a connection took longer than the {left:.2f} s left (it goes on in "
         "the background)"

@@ -32,14 +32,12 @@ def xact_lock(
     There is no unlock: commit or roll back to release. A timed-out or failed attempt leaves
     the caller's transaction usable (pglock works under a savepoint).
 
-    :param conn: a psycopg ``Connection`` in a transaction (or non-autocommit, where the
-        statement begins one as any psycopg statement does), a SQLAlchemy ``Connection`` or an
-        ORM ``Session`` (psycopg driver).
-    :raises pglock.LockNotAcquired: not acquired within ``timeout`` (``0``: held elsewhere,
-        or by another thread's ``pg_lock`` on this connection, which is waited for in-process).
-    :raises pglock.InvalidConnectionState: no transaction is open (autocommit), or the
-        transaction has failed, or another thread holds (or is taking) the name in this same
-        transaction: threads sharing one transaction cannot exclude each other.
+    :param conn: a psycopg ``Connection`` in a transaction (or non-autocommit: the statement
+        begins one), a SQLAlchemy ``Connection`` or an ORM ``Session`` (psycopg driver).
+    :raises pglock.LockNotAcquired: not acquired within ``timeout`` (another thread's
+        ``pg_lock`` on this connection is waited for in-process).
+    :raises pglock.InvalidConnectionState: no transaction is open (autocommit), it has failed,
+        or another thread holds (or is taking) the name in this same transaction.
 
     Example::
 
