@@ -201,9 +201,6 @@ def pg_lock(
     return PgLock(conn, names, shared=shared, timeout=timeout)
 
 
-# --- the shared attempt path ---------------------------------------------------------------
-
-
 def reserved(
     conn: psycopg.Connection[Any], state: ConnState, ctx: Context, take: Callable[[bool], _T]
 ) -> _T:
@@ -291,9 +288,6 @@ def housekeeping(conn: psycopg.Connection[Any], state: ConnState, ctx: Context) 
         logger.info("released %d deferred advisory lock(s)", len(pending))
     if not state.probed:
         _conn.probe(conn, state, ctx)
-
-
-# --- session locks ---------------------------------------------------------------------------
 
 
 def acquire(
@@ -440,10 +434,9 @@ def _after_failed_session_lock(
                 _conn.run(conn, _sql.rollback_to_savepoint())
         else:
             _safe_rollback(conn)
+        unlock = _sql.unlock_if_held(keys, shared=shared)
         undone = in_own_transaction(
-            conn,
-            conn.info.transaction_status,
-            lambda: _conn.run(conn, _sql.unlock_if_held(keys, shared=shared)),
+            conn, conn.info.transaction_status, lambda: _conn.run(conn, unlock)
         )
         if undone:
             logger.debug("undid %d lock(s) granted to a failed attempt", len(undone))

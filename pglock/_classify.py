@@ -59,8 +59,7 @@ def _synchronous_only(what: str) -> TypeError:
 def kind_of(obj: object) -> Kind | None:
     """What ``obj`` is, or None for anything pglock never takes.
 
-    :raises TypeError: an asyncio connection, pool or engine (pglock is synchronous).
-    """
+    :raises TypeError: an asyncio connection, pool or engine (pglock is synchronous)."""
     if isinstance(obj, str):
         return Kind.DSN
     if isinstance(obj, psycopg.Connection):
@@ -102,12 +101,10 @@ def _sqlalchemy_kind(obj: object) -> Kind | None:
 def classify(
     obj: object, accepted: Collection[Kind], *, api: str, hints: Mapping[Kind, str] | None = None
 ) -> Kind:
-    """What ``obj`` is, when ``api`` accepts it.
+    """What ``obj`` is, when ``api`` accepts it (one of ``accepted``).
 
-    :param accepted: the kinds ``api`` takes.
     :param hints: for kinds it does not take, what to use instead (appended to the error).
-    :raises TypeError: ``obj`` is not one of ``accepted`` (or is asynchronous), saying what
-        ``api`` takes and what it got.
+    :raises TypeError: ``obj`` is not accepted (or is asynchronous): what ``api`` takes and got.
     """
     kind = kind_of(obj)
     if kind is not None and kind in accepted:
@@ -123,10 +120,7 @@ def classify(
 
 
 def check_driver(dialect: Any) -> None:
-    """Refuse a SQLAlchemy dialect other than PostgreSQL on psycopg (3).
-
-    :raises TypeError: another database or driver.
-    """
+    """Refuse (TypeError) a SQLAlchemy dialect other than PostgreSQL on psycopg (3)."""
     if dialect.name != "postgresql" or dialect.driver != "psycopg":
         raise TypeError(
             "pglock needs SQLAlchemy's psycopg (3) driver on PostgreSQL (URLs like "

@@ -138,9 +138,6 @@ def check_usable(conn: psycopg.Connection[Any]) -> TransactionStatus:
     return status
 
 
-# --- running SQL --------------------------------------------------------------------------
-
-
 @dataclass
 class Context:
     """What a statement is about (for a translated error), and by when it must be answered."""
@@ -333,11 +330,8 @@ class Flight:
 
 
 def recover_interrupted(conn: psycopg.Connection[Any], timeout: float = 5.0) -> None:
-    """Read what is left of a statement this thread was interrupted in, so the session can be
-    cleaned up and used again; if the server does not finish within ``timeout``, close it.
-
-    A KeyboardInterrupt inside psycopg's result reading leaves results unread: the connection
-    stays ACTIVE and refuses every statement, and a lock granted meanwhile could not be undone."""
+    """Read what a KeyboardInterrupt inside psycopg's result reading left unread (the connection
+    stays ACTIVE and refuses every statement); close it if not done within ``timeout``."""
     if conn.closed or conn.pgconn.transaction_status != ACTIVE:
         return
     with conn.lock:  # a statement another thread runs finishes first
@@ -362,10 +356,7 @@ def translate(
     exc: psycopg.Error, ctx: Context, conn: psycopg.Connection[Any] | None = None
 ) -> Exception | None:
     """Map a Postgres error to a pglock error by SQLSTATE, the one place pglock does (None: the
-    error passes unchanged).
-
-    :param conn: the connection it happened on (named in a missing schema's error).
-    """
+    error passes unchanged). ``conn`` is named in a missing schema's error."""
     if ctx.schema is not None:
         if isinstance(exc, _SCHEMA_MISSING):
             return SchemaNotInstalled.for_connection(conn, ctx.schema)
@@ -390,9 +381,6 @@ def translate(
 _SCHEMA_MISSING = (
     pg_errors.UndefinedFunction, pg_errors.UndefinedTable, pg_errors.InvalidSchemaName
 )
-
-
-# --- per-connection bookkeeping ----------------------------------------------------------
 
 
 @dataclass
@@ -438,9 +426,7 @@ class ConnState:
         self.lost: str | None = None
 
 
-_registry: weakref.WeakKeyDictionary[psycopg.Connection[Any], ConnState] = (
-    weakref.WeakKeyDictionary()
-)
+_registry = weakref.WeakKeyDictionary[psycopg.Connection[Any], ConnState]()
 _registry_lock = threading.Lock()
 
 

@@ -55,8 +55,7 @@ class _Watch:
 
 class _Watchdog:
     """Cuts off statements still running at their deadline: one thread per process. Firing and
-    disarming take the same lock, so a disarmed connection (maybe back in a pool) is never cut.
-    """
+    disarming take the same lock, so a disarmed connection (maybe back in a pool) is never cut."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -143,13 +142,9 @@ _watchdog = _Watchdog()
 def within(
     conn: psycopg.Connection[Any], deadline: float | None, call: Callable[[], T], what: str
 ) -> T:
-    """``call()`` (statements on ``conn``) cut off at ``deadline`` (monotonic; None: never).
-
-    A call cut off raises :class:`NoAnswer` and leaves ``conn`` closed; one that returned as the
-    deadline fired keeps its result, and its connection is closed all the same.
-
-    :param what: the statement, for the error message.
-    """
+    """``call()`` (statements on ``conn``, named ``what`` in errors) cut off at ``deadline``
+    (monotonic; None: never) with :class:`NoAnswer`, ``conn`` closed; one that returned as the
+    deadline fired keeps its result, and its connection is closed all the same."""
     if deadline is None:
         return call()
     if time.monotonic() >= deadline:

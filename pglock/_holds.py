@@ -107,9 +107,6 @@ def settle(state: ConnState, granted: Sequence[int], dropped: Sequence[int]) -> 
         state.cond.notify_all()
 
 
-# -- transaction locks ---------------------------------------------------------------------
-
-
 def xact_conflicts(
     conn: psycopg.Connection[Any], state: ConnState, keys: Sequence[int], names: Sequence[str],
     checked: bool,
@@ -141,8 +138,7 @@ def xact_reserve(
     after waiting while another thread holds one as a conflicting session lock here. Returns
     the records it replaced (restored if the attempt fails), or None at the deadline.
 
-    :raises InvalidConnectionState: another thread holds or is taking a key in this same
-        transaction.
+    :raises InvalidConnectionState: another thread holds or is taking a key in this transaction.
     :raises Recheck: another thread's record conflicts and pg_locks must say if it is stale.
     """
     me = threading.current_thread()
@@ -196,11 +192,9 @@ def xact_settle(
             return
         if started is not UNKNOWN and len(state.xact) > len(mine):
             # Records of other, ended transactions (the connection has one at a time).
-            for k in [
-                k for k, r in state.xact.items()
-                if not r.pending and r.started is not None and r.started != started
-            ]:
-                del state.xact[k]
+            for k, r in list(state.xact.items()):
+                if not r.pending and r.started is not None and r.started != started:
+                    del state.xact[k]
         for r in mine.values():
             r.pending = False
             r.started = None if started is UNKNOWN else started

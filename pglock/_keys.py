@@ -29,6 +29,7 @@ MAX_NAME_BYTES = 1024
 #: The longest wait pglock can hand to ``lock_timeout`` (Postgres takes INT_MAX milliseconds).
 MAX_TIMEOUT = 2_147_483.0
 
+
 def validate_name(name: object) -> str:
     """Return ``name`` if it is a valid lock name, else raise ``TypeError``/``ValueError``."""
     if not isinstance(name, str):
@@ -72,10 +73,8 @@ def _key(name: str) -> int:
 
 
 def normalize_names(names: object) -> list[tuple[int, str]]:
-    """Validate one name or several; return ``(key, name)`` pairs sorted by key, one per key.
-
-    Sorting by key gives every process the same acquisition order, so taking several names
-    at once cannot deadlock against another pglock caller taking an overlapping set.
+    """Validate one name or several; return ``(key, name)`` pairs sorted by key, one per key
+    (every process takes several names in the same order, so overlapping sets cannot deadlock).
     """
     if isinstance(names, str):
         return [(_key(validate_name(names)), names)]

@@ -159,6 +159,9 @@ def _batch(
     """:func:`_statement` for several keys, a wait limit, or a name to register: a batch under
     pglock's savepoint."""
     try_ = timeout == 0
+    ending: list[sql.Composable] = [_sql.release_savepoint()]
+    if registering:
+        ending.append(_registry.statement(registering))
     parts: list[sql.Composable] = [_sql.savepoint()]
     if limit is not None:
         parts += [_sql.current_timeouts(), _sql.set_local_timeouts(limit, several=len(keys) > 1)]
@@ -167,9 +170,7 @@ def _batch(
     # unless a partial multi-key try must be rolled back or SET LOCAL must be undone.
     released = limit is None and not (try_ and len(keys) > 1)
     if released:
-        parts.append(_sql.release_savepoint())
-        if registering:
-            parts.append(_registry.statement(registering))
+        parts += ending
     batch = sql.SQL("; ").join(parts)
     results = _run(conn, state, timeout, lambda: _conn.run_all(conn, batch, ctx))
     if results is None or results is AGAIN:
@@ -186,10 +187,7 @@ def _batch(
         if limit is not None:
             lock_timeout, statement_timeout = results[0][0]
             tail.append(_sql.restore_timeouts(lock_timeout, statement_timeout))
-        tail.append(_sql.release_savepoint())
-        if registering:
-            tail.append(_registry.statement(registering))
-        rest = sql.SQL("; ").join(tail)
+        rest = sql.SQL("; ").join(tail + ending)
         done = _run(conn, state, timeout, lambda: _conn.run(conn, rest, ctx))
         if done is None or done is AGAIN:
             return done
