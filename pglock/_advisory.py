@@ -1,9 +1,5 @@
-"""Session-level advisory locks on a caller's connection (``pg_lock``, :class:`PgLock`), and
-the attempt machinery that transaction locks (:mod:`pglock._xact`) share: transactions of
-pglock's own, savepoints, timeouts, clean-up after a failed or interrupted attempt.
-
-The design is explained in docs/how-it-works.md ("A session lock, statement by statement",
-"Threads sharing a connection", "Failed transactions and interrupts").
+"""Session-level advisory locks on a caller's connection (``pg_lock``), and the attempt machinery
+transaction locks (:mod:`pglock._xact`) share. The design: docs/how-it-works.md.
 """
 
 from __future__ import annotations
@@ -35,13 +31,9 @@ AGAIN = object()
 
 
 def wait_limit(timeout: float | None, state: ConnState) -> int | None:
-    """The ``lock_timeout`` (ms) pglock sets for one attempt, scoped to it, or None to send
-    the lock statement alone.
-
-    A timeout sets its own (never rounded down to 0, which means "no timeout"). A wait meant
-    to last until acquired (``None``) on a session with a ``statement_timeout`` or
-    ``lock_timeout`` of its own (``ALTER ROLE app SET statement_timeout`` is common) sets both
-    to 0, or the session's setting would end it. A try (``0``) never waits."""
+    """The ``lock_timeout`` (ms, never rounded down to 0: "no timeout") pglock sets for one
+    attempt, or None to send the lock statement alone. A wait without a timeout sets 0 on a
+    session with timeouts of its own (``ALTER ROLE app SET statement_timeout`` is common)."""
     if timeout:
         return max(1, math.ceil(timeout * 1000))
     if timeout is None and state.session_timeouts:
@@ -50,9 +42,8 @@ def wait_limit(timeout: float | None, state: ConnState) -> int | None:
 
 
 def cut_short(conn: psycopg.Connection[Any], state: ConnState, timeout: float | None) -> bool:
-    """After a wait without a timeout ended in 55P03/57014 with the session's settings left
-    alone: was it the session's own timeout? Then remember it (later waits override it) and
-    say so; else it was a cancel (``pg_cancel_backend``, ``conn.cancel()``), which stands."""
+    """After a wait without a timeout ended in 55P03/57014: was it the session's own timeout
+    (remember it: later waits override it)? Else it was a cancel, which stands."""
     if timeout is not None or state.session_timeouts or conn.closed or conn.broken:
         return False
     try:
@@ -73,28 +64,22 @@ class PgLock(BaseLock):
     """A session-level advisory lock on one or several names, on a caller's connection.
 
     Use it as a context manager (``with pglock.pg_lock(conn, "account:1"):``) or call
-    :meth:`acquire` and :meth:`release`. The lock survives commits and rollbacks of the
-    caller's transactions and is released by :meth:`release`, at the end of the ``with``
-    block, or by Postgres when the session ends. :meth:`close` wakes a thread blocked in
-    :meth:`acquire` (it cancels the waiting statement). ``acquire()`` raises RuntimeError when
-    this handle holds the lock already, :class:`pglock.InvalidConnectionState` for a closed
-    connection, a failed transaction, or a name another thread holds as a transaction lock in
-    the transaction open on the connection, and :class:`pglock.DeadlockDetected`.
+    :meth:`acquire` and :meth:`release`. The lock survives the caller's commits and rollbacks
+    and is released by :meth:`release`, at the end of the ``with`` block, or when the session
+    ends. Several names are taken all-or-nothing, sorted by key, in one statement. :meth:`close`
+    wakes a thread blocked in :meth:`acquire` (it cancels the waiting statement).
+    ``acquire()`` raises RuntimeError when this handle holds the lock already,
+    :class:`pglock.InvalidConnectionState` for a closed connection, a failed transaction, or a
+    name another thread holds as a transaction lock in the open transaction, and
+    :class:`pglock.DeadlockDetected`.
 
-    Several names are taken all-or-nothing, sorted by key, in one statement.
-
-    Thread safety: a ``PgLock`` handle belongs to the thread that acquired it; use one handle
-    per thread. Many threads may share one connection: pglock guarantees that two threads never
-    both hold an exclusive lock on the same name through it, although Postgres would grant it
-    to the session twice. A thread that holds a name may take it again (counted re-entry).
+    Thread safety: one handle per thread. Threads may share one connection: pglock never lets
+    two of them both hold an exclusive lock on one name through it (Postgres would grant it to
+    the session twice). A thread that holds a name may take it again (counted re-entry).
     """
 
     def __init__(
-        self,
-        conn: object,
-        names: str | Sequence[str],
-        *,
-        shared: bool = False,
+        self, conn: object, names: str | Sequence[str], *, shared: bool = False,
         timeout: float | None = None,
     ) -> None:
         pairs = normalize_names(names)
@@ -216,15 +201,11 @@ def pg_lock(
     return PgLock(conn, names, shared=shared, timeout=timeout)
 
 
-# --- the shared attempt path ---------------------------------------------------------------
-
-
 def reserved(
     conn: psycopg.Connection[Any], state: ConnState, ctx: Context, take: Callable[[bool], _T]
 ) -> _T:
-    """``take(checked=False)``; when another thread's transaction-lock records stand in the
-    way, check them in pg_locks (forgetting stale ones, refusing for live ones) and take again
-    with ``checked=True``."""
+    """``take(False)``; when another thread's transaction-lock records stand in the way, check
+    them in pg_locks (:func:`drop_stale_xact`) and ``take(True)``."""
     try:
         return take(False)
     except _holds.Recheck as recheck:
@@ -235,13 +216,9 @@ def reserved(
 def drop_stale_xact(
     conn: psycopg.Connection[Any], state: ConnState, records: dict[int, XactHold], ctx: Context
 ) -> None:
-    """Ask pg_locks whether the session still holds the keys of ``records`` (other threads'
-    transaction locks) in the transaction now open; forget the records that outlived their
-    lock, and refuse (InvalidConnectionState) for one that did not.
-
-    A key counts as still held when pg_locks shows it held by this session (in any mode; a
-    session lock on the same key is indistinguishable there, so the answer errs towards
-    refusing) and the record's transaction is the open one (or unknown)."""
+    """Forget other threads' transaction-lock ``records`` that outlived their lock; refuse
+    (InvalidConnectionState) for one pg_locks shows held in the open (or an unknown)
+    transaction, in any mode (a session lock on the key looks the same: err towards refusing)."""
     keys = sorted(records)
     now: Any = None
     held: set[int] = set()
@@ -259,16 +236,13 @@ def drop_stale_xact(
             if state.xact.get(k) is not record:
                 continue  # changed meanwhile: judged again under the lock
             if k in held and (record.started is None or record.started == now):
-                raise InvalidConnectionState.shared_transaction(
-                    ctx.names[list(ctx.keys).index(k)]
-                )
+                raise InvalidConnectionState.shared_transaction(ctx.names[list(ctx.keys).index(k)])
             del state.xact[k]
             logger.debug("forgot a transaction-lock record that outlived its lock (key %d)", k)
 
 
 def undo_savepoint(conn: psycopg.Connection[Any]) -> None:
-    """After a failed batch under pglock's savepoint: back to the caller's transaction as it
-    was."""
+    """After a failed batch under pglock's savepoint: back to the caller's transaction."""
     _conn.recover_interrupted(conn)
     if conn.closed or conn.broken or conn.pgconn.transaction_status != INERROR:
         return  # gone, or the batch ended before/after pglock's savepoint was open
@@ -316,21 +290,12 @@ def housekeeping(conn: psycopg.Connection[Any], state: ConnState, ctx: Context) 
         _conn.probe(conn, state, ctx)
 
 
-# --- session locks ---------------------------------------------------------------------------
-
-
 def acquire(
-    target: Target,
-    keys: list[int],
-    names: list[str],
-    *,
-    shared: bool,
-    timeout: float | None,
+    target: Target, keys: list[int], names: list[str], *, shared: bool, timeout: float | None,
     flight: Flight,
 ) -> bool:
-    """Take a session lock on ``keys`` for this thread: in-process first, then in Postgres
-    for the keys the session does not hold yet. False when not acquired in time, or when
-    ``flight.stop()`` turns true (close())."""
+    """Take a session lock on ``keys`` for this thread: in-process, then in Postgres for the
+    keys the session does not hold yet. False when not acquired in time, or once closed."""
     conn = target.conn
     state = _conn.state_for(conn)
     me = threading.current_thread()
@@ -353,9 +318,7 @@ def acquire(
             [names[keys.index(k)] for k in need], need, timeout,
             _conn.answer_deadline(deadline), flight=flight,
         )
-        granted = _session_lock(
-            conn, state, need, ctx, shared=shared, timeout=_remaining(deadline)
-        )
+        granted = _session_lock(conn, state, need, ctx, shared=shared, timeout=_remaining(deadline))
         if granted:
             _holds.settle(state, need, ())
             logger.debug("acquired %r (%s)", names, "shared" if shared else "exclusive")
@@ -372,31 +335,18 @@ def acquire(
     return granted
 
 
-def _prepare(conn: psycopg.Connection[Any], state: ConnState, ctx: Context) -> Any:
-    """Check the connection, flush deferred unlocks, probe the server once.
-
-    Returns the transaction status pglock found (IDLE or INTRANS)."""
+def _session_lock(
+    conn: psycopg.Connection[Any], state: ConnState, keys: list[int], ctx: Context, *,
+    shared: bool, timeout: float | None,
+) -> bool:
     status = _conn.check_usable(conn)
     if state.deferred or not state.probed:
         quiet = dataclasses.replace(ctx, flight=None)  # close() cancels the lock statement only
         in_own_transaction(conn, status, lambda: housekeeping(conn, state, quiet))
-    return status
-
-
-def _session_lock(
-    conn: psycopg.Connection[Any],
-    state: ConnState,
-    keys: list[int],
-    ctx: Context,
-    *,
-    shared: bool,
-    timeout: float | None,
-) -> bool:
-    status = _prepare(conn, state, ctx)
     if state.pooler:
         raise _conn.pooler_error(state)
     try_ = timeout == 0
-    stmt, undo = _session_batch(
+    stmt = _session_batch(
         conn, status, keys, shared=shared, try_=try_, limit=wait_limit(timeout, state)
     )
     registering = _registry.pending(
@@ -415,14 +365,14 @@ def _session_lock(
             row = _conn.run_one(conn, _sql.LOCK_ONE[(False, shared, try_)], (keys[0],), ctx)
             rows = [(keys[0], row[0] if row else None)]
         elif stmt is None:
-            rows = _conn.run_rows(conn, _sql.LOCK_MANY[(shared, try_)], (keys,), ctx)
+            rows = _conn.run(conn, _sql.LOCK_MANY[(shared, try_)], ctx, (keys,))
         else:
             rows = _conn.run(conn, stmt, ctx)
         if own_tx:
             conn.commit()
         _registry.mark(conn, registering)
     except BaseException as exc:
-        _after_failed_session_lock(conn, status, undo, keys, shared)
+        _after_failed_session_lock(conn, status, keys, shared)
         if not isinstance(exc, (LockNotAcquired, _conn.Woken)):
             raise
         woken = ctx.flight is not None and ctx.flight.stop()  # close(): not the timeouts
@@ -433,14 +383,10 @@ def _session_lock(
 
 
 def _all_or_nothing(
-    conn: psycopg.Connection[Any],
-    status: Any,
-    rows: list[tuple[Any, ...]],
-    keys: list[int],
+    conn: psycopg.Connection[Any], status: Any, rows: list[tuple[Any, ...]], keys: list[int],
     shared: bool,
 ) -> bool:
-    """After a try-lock of several keys: True if every key was granted, else give back the
-    ones that were (all-or-nothing) and say False."""
+    """After a try-lock: True if every key was granted, else give back those that were."""
     got = [k for k, ok in rows if ok]
     if len(got) == len(keys):
         return True
@@ -450,18 +396,13 @@ def _all_or_nothing(
 
 
 def _session_batch(
-    conn: psycopg.Connection[Any],
-    status: Any,
-    keys: list[int],
-    *,
-    shared: bool,
-    try_: bool,
+    conn: psycopg.Connection[Any], status: Any, keys: list[int], *, shared: bool, try_: bool,
     limit: int | None,
-) -> tuple[sql.Composed | None, sql.Composed | None]:
-    """The batch a session-lock attempt sends, and what undoes it after a failure; (None,
-    None) for the lock statement alone (no timeout to set, no caller's transaction)."""
+) -> sql.Composed | None:
+    """The batch a session-lock attempt sends; None for the lock statement alone (no timeout to
+    set, no caller's transaction)."""
     if status != INTRANS and limit is None:
-        return None, None
+        return None
     lock = _sql.lock(keys, shared=shared, xact=False, try_=try_)
     if status == INTRANS:
         # In the caller's transaction: a savepoint keeps it usable if the attempt fails, and
@@ -470,39 +411,32 @@ def _session_batch(
         if limit is not None:
             parts.append(_sql.set_local_timeouts(limit, several=len(keys) > 1))
         parts += [lock, _sql.rollback_to_savepoint()]
-        return sql.SQL("; ").join(parts), _sql.rollback_to_savepoint()
+        return sql.SQL("; ").join(parts)
     assert limit is not None
     parts = [_sql.set_local_timeouts(limit, several=len(keys) > 1), lock]
     if conn.autocommit:
         parts = [sql.SQL("BEGIN"), *parts, sql.SQL("COMMIT")]
-    return sql.SQL("; ").join(parts), None
+    return sql.SQL("; ").join(parts)
 
 
 def _after_failed_session_lock(
-    conn: psycopg.Connection[Any],
-    status: Any,
-    undo: sql.Composed | None,
-    keys: list[int],
-    shared: bool,
+    conn: psycopg.Connection[Any], status: Any, keys: list[int], shared: bool
 ) -> None:
-    """Leave the caller's transaction as it was and hold nothing, after a failed attempt.
-
-    Postgres may have granted some keys (several names, or a grant racing the timeout or a
-    cancel): session locks survive the rollback, so look in pg_locks and undo them."""
+    """Leave the caller's transaction as it was and hold nothing, after a failed attempt: a
+    grant may have raced the timeout or a cancel, and session locks survive the rollback."""
     _conn.recover_interrupted(conn)
     if conn.closed or conn.broken:
         return  # the session is gone, and its locks with it
     try:
-        if undo is not None:
+        if status == INTRANS:
             # The batch stopped inside pglock's savepoint (on success it is already gone).
             if conn.info.transaction_status == INERROR:
-                _conn.run(conn, undo)
+                _conn.run(conn, _sql.rollback_to_savepoint())
         else:
             _safe_rollback(conn)
+        unlock = _sql.unlock_if_held(keys, shared=shared)
         undone = in_own_transaction(
-            conn,
-            conn.info.transaction_status,
-            lambda: _conn.run(conn, _sql.unlock_if_held(keys, shared=shared)),
+            conn, conn.info.transaction_status, lambda: _conn.run(conn, unlock)
         )
         if undone:
             logger.debug("undid %d lock(s) granted to a failed attempt", len(undone))
@@ -532,9 +466,7 @@ def _release(
 
 
 def _session_unlock(
-    conn: psycopg.Connection[Any],
-    state: ConnState,
-    by_mode: dict[bool, list[int]],
+    conn: psycopg.Connection[Any], state: ConnState, by_mode: dict[bool, list[int]],
     names: list[str],
 ) -> None:
     if conn.closed or conn.broken:

@@ -1,11 +1,5 @@
 """What a caller may pass: the one place that tells a connection, a pool, an engine and a DSN
-apart.
-
-:func:`kind_of` names what an object is (subclasses included: a user's own ``Session`` or
-``ConnectionPool`` subclass is what its base is), without importing optional packages the caller
-has not loaded and without any I/O; :func:`classify` also says whether an API accepts it, with
-one form of error for every API. What each API then does with it (check a connection out, read
-its conninfo, find the psycopg connection under a SQLAlchemy one) stays with that API.
+apart (subclasses included), with no I/O and no import of an optional package not yet loaded.
 """
 
 from __future__ import annotations
@@ -37,15 +31,10 @@ SOURCES = frozenset({Kind.POOL, Kind.ENGINE, Kind.DSN})
 #: The SQLAlchemy kinds: they need its psycopg (3) driver wherever pglock uses the connection.
 SQLALCHEMY = frozenset({Kind.SA_CONNECTION, Kind.SESSION, Kind.ENGINE})
 
-_ORDER = list(Kind)
-
 
 class Deferred:
-    """A pool or engine made at the first use: a DSN ``Locker``'s own pool.
-
-    Lock constructors take it where they take a pool or an engine, and call :attr:`resolve`
-    (which may open the pool) only when a lock first needs a connection: making a lock does no
-    I/O."""
+    """A pool or engine made at the first use (a DSN ``Locker``'s own pool): lock constructors
+    call :attr:`resolve` only when a lock first needs a connection."""
 
     __slots__ = ("resolve",)
 
@@ -70,8 +59,7 @@ def _synchronous_only(what: str) -> TypeError:
 def kind_of(obj: object) -> Kind | None:
     """What ``obj`` is, or None for anything pglock never takes.
 
-    :raises TypeError: an asyncio connection, pool or engine (pglock is synchronous).
-    """
+    :raises TypeError: an asyncio connection, pool or engine (pglock is synchronous)."""
     if isinstance(obj, str):
         return Kind.DSN
     if isinstance(obj, psycopg.Connection):
@@ -111,23 +99,17 @@ def _sqlalchemy_kind(obj: object) -> Kind | None:
 
 
 def classify(
-    obj: object,
-    accepted: Collection[Kind],
-    *,
-    api: str,
-    hints: Mapping[Kind, str] | None = None,
+    obj: object, accepted: Collection[Kind], *, api: str, hints: Mapping[Kind, str] | None = None
 ) -> Kind:
-    """What ``obj`` is, when ``api`` accepts it.
+    """What ``obj`` is, when ``api`` accepts it (one of ``accepted``).
 
-    :param accepted: the kinds ``api`` takes.
     :param hints: for kinds it does not take, what to use instead (appended to the error).
-    :raises TypeError: ``obj`` is not one of ``accepted`` (or is asynchronous), saying what
-        ``api`` takes and what it got.
+    :raises TypeError: ``obj`` is not accepted (or is asynchronous): what ``api`` takes and got.
     """
     kind = kind_of(obj)
     if kind is not None and kind in accepted:
         return kind
-    takes = [k.value for k in _ORDER if k in accepted]
+    takes = [k.value for k in Kind if k in accepted]
     wanted = ", ".join(takes[:-1]) + f" or {takes[-1]}" if len(takes) > 1 else takes[0]
     if any(k in SQLALCHEMY for k in accepted):
         wanted += " (SQLAlchemy on the psycopg driver: postgresql+psycopg://)"
@@ -138,10 +120,7 @@ def classify(
 
 
 def check_driver(dialect: Any) -> None:
-    """Refuse a SQLAlchemy dialect other than PostgreSQL on psycopg (3).
-
-    :raises TypeError: another database or driver.
-    """
+    """Refuse (TypeError) a SQLAlchemy dialect other than PostgreSQL on psycopg (3)."""
     if dialect.name != "postgresql" or dialect.driver != "psycopg":
         raise TypeError(
             "pglock needs SQLAlchemy's psycopg (3) driver on PostgreSQL (URLs like "

@@ -1,12 +1,6 @@
-"""The one boundary between pglock and a caller's connection.
-
-* :func:`resolve` turns a psycopg ``Connection``, a SQLAlchemy ``Connection`` or an ORM
-  ``Session`` (psycopg driver) into the underlying psycopg connection, refusing anything else.
-* :func:`run` sends one statement (or a ``;``-joined batch) and translates Postgres errors
-  by SQLSTATE into pglock errors, in this one place; :class:`Flight` lets close() cancel a
-  lock object's waiting statement.
-* :class:`ConnState` is pglock's per-connection bookkeeping, kept in a weak registry: which
-  keys pglock holds on that session, for which threads, and what it learned about the server.
+"""The one boundary between pglock and a caller's connection: :func:`resolve` finds the psycopg
+connection, :func:`run` sends statements and translates errors by SQLSTATE, :class:`ConnState`
+is pglock's per-connection bookkeeping (in a weak registry).
 """
 
 from __future__ import annotations
@@ -44,6 +38,7 @@ from .errors import (
 logger = logging.getLogger("pglock")
 
 _TUPLES_OK = ExecStatus.TUPLES_OK
+Query = str | bytes | sql.SQL | sql.Composed
 
 IDLE = TransactionStatus.IDLE
 INTRANS = TransactionStatus.INTRANS
@@ -67,13 +62,11 @@ class Target:
 
     conn: psycopg.Connection[Any]
     source: object
-    #: "psycopg", "sqlalchemy" or "session"
-    kind: str
+    kind: str  # "psycopg", "sqlalchemy" or "session"
 
 
 def resolve(obj: object, api: str = "pglock") -> Target:
-    """Find the psycopg connection behind ``obj`` (a connection the caller holds) without
-    sending any SQL.
+    """Find the psycopg connection behind ``obj`` (a connection the caller holds), sending no SQL.
 
     :param api: the public call, for the error message.
     :raises TypeError: ``obj`` is not a connection pglock can use.
@@ -139,43 +132,26 @@ def stable_status(conn: psycopg.Connection[Any]) -> TransactionStatus:
 
 def check_usable(conn: psycopg.Connection[Any]) -> TransactionStatus:
     status = stable_status(conn)
-    if conn.closed or conn.broken:
-        raise InvalidConnectionState.closed()
+    _check_open(conn)
     if status == INERROR:
         raise InvalidConnectionState.failed_transaction()
     return status
 
 
-# --- running SQL --------------------------------------------------------------------------
-
-
 @dataclass
 class Context:
-    """What a statement is about, so a translated error can say so, and by when it must be
-    answered."""
+    """What a statement is about (for a translated error), and by when it must be answered."""
 
     names: Sequence[str] = ()
     keys: Sequence[int] = ()
     timeout: float | None = None
-    #: A ``time.monotonic()`` instant: a statement not answered by then is cut off (see
-    #: :func:`answer_deadline`); None waits as long as the server takes.
+    #: A monotonic instant: a statement not answered by then is cut off (None: never).
     deadline: float | None = None
-    #: The pglock schema a TTL-row statement (lease, semaphore) runs functions of: its
-    #: absence reads as :class:`~pglock.SchemaNotInstalled`.
+    #: The pglock schema of a lease/semaphore statement: its absence is SchemaNotInstalled.
     schema: str | None = None
-    #: The statement waits for a lock: lock timeouts, cancels, deadlocks and a full lock table
-    #: read as lock errors (False: they pass unchanged, for the caller to judge).
+    #: Lock timeouts, cancels, deadlocks and a full lock table read as lock errors (else pass).
     waits: bool = True
-    #: The wait of a lock object whose close() cancels the statement (see :class:`Flight`).
-    flight: Flight | None = None
-
-    @property
-    def name(self) -> str | None:
-        return self.names[0] if self.names else None
-
-    @property
-    def key(self) -> int | None:
-        return self.keys[0] if self.keys else None
+    flight: Flight | None = None  # the wait close() cancels
 
 
 class _OwnAdapters:
@@ -187,33 +163,26 @@ class _OwnAdapters:
 
 
 class _Cursor(_OwnAdapters, psycopg.Cursor[tuple[Any, ...]]):
-    """pglock's own cursor (server-side binding): tuple rows and psycopg's default adapters,
-    whatever row factory, cursor class, loaders or dumpers the caller's connection has."""
+    """pglock's own cursor (server-side binding): tuple rows and psycopg's default adapters."""
 
     __slots__ = ()
 
 
 class _ClientCursor(_OwnAdapters, psycopg.ClientCursor[tuple[Any, ...]]):
-    """The same with client-side binding, for a connection whose owner chose it (a proxy that
-    speaks only the simple query protocol): text results only, never prepared."""
+    """The same with client-side binding, for a connection whose owner chose it."""
 
     __slots__ = ()
 
 
-#: psycopg's default adapters as they were when pglock was imported. pglock sends its
-#: parameters and reads its results with these, never with a loader or dumper that a caller
-#: registered on a connection (one that loads ``bool`` as text would turn every refusal into a
-#: grant).
+#: psycopg's default adapters at import, never a caller's (one that loads ``bool`` as text
+#: would turn every refusal into a grant).
 _ADAPTERS = AdaptersMap(psycopg.adapters)
 
 
 def cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[tuple[Any, ...]]:
     """A new cursor of pglock's own on ``conn``: the one way pglock executes SQL.
 
-    Rows are plain tuples read with psycopg's default loaders, whatever ``conn.row_factory``,
-    ``conn.cursor_factory`` and ``conn.adapters`` say. A connection whose cursor factory binds
-    parameters client-side (``psycopg.ClientCursor`` and subclasses) keeps that protocol;
-    every other one (``RawCursor`` included) gets server-side binding with ``%s`` placeholders.
+    A ``ClientCursor`` factory keeps client-side binding; any other gets server-side binding.
     """
     factory = conn.cursor_factory
     if isinstance(factory, type) and issubclass(factory, psycopg.ClientCursor):
@@ -222,22 +191,14 @@ def cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[tuple[Any, ...]]:
 
 
 def fetch(
-    conn: psycopg.Connection[Any],
-    query: str | bytes | sql.SQL | sql.Composed,
-    params: Sequence[Any] | None = None,
-    *,
-    binary: bool = False,
-    flight: Flight | None = None,
+    conn: psycopg.Connection[Any], query: Query, params: Sequence[Any] | None = None, *,
+    binary: bool = False, flight: Flight | None = None,
 ) -> list[list[tuple[Any, ...]]]:
-    """Execute ``query`` on pglock's own cursor (as the ``flight`` of a wait that close() can
-    cancel, when given); return the rows of every statement that
-    returns rows, in order. Errors pass unchanged (see :func:`translate`).
+    """Execute ``query`` on pglock's own cursor (cancellable by ``flight``); the rows of every
+    statement that returns rows, in order. Errors pass unchanged (see :func:`translate`).
 
-    Without ``params`` a query may hold several ``;``-joined statements (one simple-query
-    round trip, never prepared). With ``params`` it is one statement, prepared as the
-    connection's ``prepare_threshold`` says. ``binary`` asks for binary results where the
-    protocol allows it (not with client-side binding, which reads them as text), and ``%b``
-    placeholders become ``%s`` there.
+    Without ``params`` a query may hold several ``;``-joined statements (never prepared).
+    ``binary`` asks for binary results, except with client-side binding (``%b`` becomes ``%s``).
     """
     cur = cursor(conn)
     kwargs: dict[str, bool] = {}
@@ -268,54 +229,35 @@ def _text_placeholders(query: bytes) -> bytes:
 
 
 def run(
-    conn: psycopg.Connection[Any],
-    stmt: sql.SQL | sql.Composed | str | bytes,
-    ctx: Context | None = None,
+    conn: psycopg.Connection[Any], stmt: Query, ctx: Context | None = None,
+    params: tuple[Any, ...] | None = None,
 ) -> list[tuple[Any, ...]]:
-    """Execute ``stmt`` (one or several ``;``-joined statements) and return the rows of the
-    last statement that returns rows."""
-    results = run_all(conn, stmt, ctx)
+    """:func:`run_all`, returning the rows of the last statement that returns rows."""
+    results = run_all(conn, stmt, ctx, params)
     return results[-1] if results else []
 
 
 def run_one(
     conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...], ctx: Context | None = None
 ) -> tuple[Any, ...] | None:
-    """Execute one fixed, parameterized statement from :mod:`pglock._sql`; return its first row.
-
-    The fast path for single-key statements (see ``_sql.LOCK_ONE``)."""
-    rows = run_rows(conn, query, params, ctx)
+    """Execute one fixed, parameterized statement from :mod:`pglock._sql`; its first row."""
+    rows = run(conn, query, ctx, params)
     return rows[0] if rows else None
 
 
-#: How long past a lock attempt's own timeout pglock waits for the server's answer on a
-#: caller's connection. The server's ``lock_timeout`` has answered by then if it can; a
-#: statement still unanswered (a silent network, a stalled server) is cut off and its
-#: connection closed (its session ends, and every lock of it with it, once the server sees).
-CALLER_ANSWER_GRACE = 5.0
-
-
-def answer_deadline(deadline: float | None) -> float | None:
-    """The instant by which a lock statement with the attempt ``deadline`` must be answered."""
-    return None if deadline is None else deadline + CALLER_ANSWER_GRACE
-
-
-def _fetch(
-    conn: psycopg.Connection[Any],
-    query: str | bytes | sql.SQL | sql.Composed,
-    params: Sequence[Any] | None,
-    ctx: Context | None,
+def run_all(
+    conn: psycopg.Connection[Any], stmt: Query, ctx: Context | None = None,
+    params: tuple[Any, ...] | None = None,
 ) -> list[list[tuple[Any, ...]]]:
-    """:func:`fetch`, cut off at ``ctx.deadline`` when there is one; Postgres errors that mean
-    something for a lock become pglock errors here, by SQLSTATE."""
+    """:func:`fetch`, cut off at ``ctx.deadline`` if any; Postgres errors that mean something
+    for a lock become pglock errors here, by SQLSTATE."""
     ctx = ctx or Context()
     flight = ctx.flight
     try:
         if ctx.deadline is None:
-            return fetch(conn, query, params, flight=flight)
+            return fetch(conn, stmt, params, flight=flight)
         return within(
-            conn, ctx.deadline, lambda: fetch(conn, query, params, flight=flight),
-            "a lock statement",
+            conn, ctx.deadline, lambda: fetch(conn, stmt, params, flight=flight), "a lock statement"
         )
     except psycopg.Error as exc:
         translated = translate(exc, ctx)
@@ -324,20 +266,15 @@ def _fetch(
         raise translated from exc
 
 
-def run_rows(
-    conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...], ctx: Context | None = None
-) -> list[tuple[Any, ...]]:
-    """Like :func:`run_one`, returning every row (see ``_sql.LOCK_MANY``)."""
-    results = _fetch(conn, query, params, ctx)
-    return results[-1] if results else []
+#: How long past a lock attempt's own timeout pglock waits for the server's answer on a
+#: caller's connection; a statement still unanswered (a silent network, a stalled server) is
+#: cut off and its connection closed (its session ends, and every lock of it with it).
+CALLER_ANSWER_GRACE = 5.0
 
 
-def run_all(
-    conn: psycopg.Connection[Any], stmt: sql.SQL | sql.Composed | str | bytes,
-    ctx: Context | None = None,
-) -> list[list[tuple[Any, ...]]]:
-    """Execute ``stmt`` and return the rows of every statement that returns rows, in order."""
-    return _fetch(conn, stmt, None, ctx)
+def answer_deadline(deadline: float | None) -> float | None:
+    """The instant by which a lock statement with the attempt ``deadline`` must be answered."""
+    return None if deadline is None else deadline + CALLER_ANSWER_GRACE
 
 
 class Woken(Exception):
@@ -345,19 +282,11 @@ class Woken(Exception):
 
 
 class Flight:
-    """The statement a lock object's wait has in flight, and close()'s cancel of it.
-
-    The waiting thread holds psycopg's ``conn.lock`` (which every statement on the connection
-    takes) from before it sends the statement until its results are read, and registers it
-    under ``_mutex`` meanwhile. :meth:`cancel` sends ``cancel_safe()`` under ``_mutex`` only
-    while the statement is registered and sent (ACTIVE), so it never reaches another thread's
-    statement; the server drops a cancel that arrives between statements, so it is repeated
-    until the wait has left.
-    """
+    """The statement a lock object's wait has in flight, and close()'s cancel of it (why that is
+    safe: docs/how-it-works.md, "Failed transactions and interrupts")."""
 
     def __init__(self, stop: Callable[[], bool]) -> None:
-        #: True once the wait must end (its lock object was closed).
-        self.stop = stop
+        self.stop = stop  # true once the wait must end (its lock object was closed)
         self._mutex = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
         self._left = threading.Event()
@@ -382,8 +311,7 @@ class Flight:
                     self._left.set()
 
     def cancel(self) -> None:
-        """Cancel the registered statement, again until it has ended (a few seconds at
-        most); nothing when none is in flight."""
+        """Cancel the registered statement, again until it has ended (a few seconds at most)."""
         pause = 0.02
         for _ in range(10):
             with self._mutex:
@@ -402,15 +330,8 @@ class Flight:
 
 
 def recover_interrupted(conn: psycopg.Connection[Any], timeout: float = 5.0) -> None:
-    """Read what is left of a statement this thread was interrupted in, so the session can be
-    cleaned up and used again.
-
-    On KeyboardInterrupt psycopg cancels the statement and reads its results, except when the
-    interrupt lands inside its result-reading code: then the results stay unread, the
-    connection reports ACTIVE and refuses every statement ("another command is already in
-    progress"), and a lock that Postgres granted meanwhile could not be undone. If the server
-    does not finish within ``timeout`` the connection is closed (as psycopg does), which
-    releases the session's locks."""
+    """Read what a KeyboardInterrupt inside psycopg's result reading left unread (the connection
+    stays ACTIVE and refuses every statement); close it if not done within ``timeout``."""
     if conn.closed or conn.pgconn.transaction_status != ACTIVE:
         return
     with conn.lock:  # a statement another thread runs finishes first
@@ -434,11 +355,8 @@ def recover_interrupted(conn: psycopg.Connection[Any], timeout: float = 5.0) -> 
 def translate(
     exc: psycopg.Error, ctx: Context, conn: psycopg.Connection[Any] | None = None
 ) -> Exception | None:
-    """Map a Postgres error to a pglock error by SQLSTATE (never by message text): the one
-    place pglock does. None: the error passes unchanged.
-
-    :param conn: the connection it happened on (named in a missing schema's error).
-    """
+    """Map a Postgres error to a pglock error by SQLSTATE, the one place pglock does (None: the
+    error passes unchanged). ``conn`` is named in a missing schema's error."""
     if ctx.schema is not None:
         if isinstance(exc, _SCHEMA_MISSING):
             return SchemaNotInstalled.for_connection(conn, ctx.schema)
@@ -449,12 +367,14 @@ def translate(
             )
     if not ctx.waits:
         return None
+    name = ctx.names[0] if ctx.names else None
+    key = ctx.keys[0] if ctx.keys else None
     if isinstance(exc, (pg_errors.LockNotAvailable, pg_errors.QueryCanceled)):
-        return LockNotAcquired(ctx.name, key=ctx.key, timeout=ctx.timeout)
+        return LockNotAcquired(name, key=key, timeout=ctx.timeout)
     if isinstance(exc, pg_errors.DeadlockDetected):
-        return DeadlockDetected(ctx.name, key=ctx.key)
+        return DeadlockDetected(name, key=key)
     if isinstance(exc, pg_errors.OutOfMemory):  # 53200 "out of shared memory"
-        return LockTableFull(ctx.name, key=ctx.key)
+        return LockTableFull(name, key=key)
     return None
 
 
@@ -463,38 +383,25 @@ _SCHEMA_MISSING = (
 )
 
 
-# --- per-connection bookkeeping ----------------------------------------------------------
-
-
 @dataclass
 class KeyHold:
-    """pglock's holders of one key on one session.
-
-    The session holds the key in Postgres once, in ``mode``; threads share that hold.
-    """
+    """pglock's holders of one key, which the session holds once in Postgres, in ``mode``."""
 
     mode: str  # "x" (exclusive) or "s" (shared)
     owners: dict[threading.Thread, int] = field(default_factory=dict)  # thread -> re-entries
-    #: True while the first holder's statement is in flight; others wait for the outcome.
-    pending: bool = True
+    pending: bool = True  # the first holder's statement is in flight (or the unlock)
 
 
 @dataclass
 class XactHold:
-    """One thread's transaction-level hold of one key on one session.
-
-    Recorded before any SQL (a reservation, ``pending``), so that a second thread sharing the
-    transaction is refused instead of being granted the key by Postgres as well; settled with
-    the transaction's identity once granted, dropped when the attempt fails.
-    """
+    """One thread's transaction-level hold of one key, recorded before any SQL (``pending``)
+    (docs/how-it-works.md, "Transaction locks")."""
 
     owner: threading.Thread
     mode: str = "x"  # "x" (exclusive) or "s" (shared)
-    #: True while the owner's statement is in flight.
-    pending: bool = True
-    #: The transaction that holds it (its ``transaction_timestamp()``), once granted; None
-    #: while pending, or after an attempt that ended in an unexpected error (the lock may or
-    #: may not be held: pg_locks decides when another thread asks).
+    pending: bool = True  # the owner's statement is in flight
+    #: The holding transaction's ``transaction_timestamp()`` once granted; None while pending
+    #: or after an unexpected error (pg_locks decides when another thread asks).
     started: Any = None
 
 
@@ -505,30 +412,21 @@ class ConnState:
         self.cond = threading.Condition(threading.Lock())
         self.holds: dict[int, KeyHold] = {}
         self.probed = False
-        #: The schema of the name registry, when it is installed and writable (learned by the
-        #: probe); None otherwise.
-        self.registry: str | None = None
+        self.registry: str | None = None  # the name registry's schema, if installed and writable
         self.backend_pid: int | None = None
         #: Session locks whose release could not be sent (failed transaction at exit).
         self.deferred: list[tuple[int, bool]] = []
-        #: Transaction locks: key -> the thread holding (or taking) it, and in which
-        #: transaction. A record may outlive its lock (commit, rollback, a rolled-back
-        #: savepoint): pg_locks is asked before a record makes pglock refuse another thread.
+        #: Transaction locks by key; a record may outlive its lock (pg_locks decides).
         self.xact: dict[int, XactHold] = {}
-        #: A pooler (PgBouncer and the like) sits between this connection and Postgres: the
-        #: server's pg_backend_pid() differs from the pid the connection announced at startup.
-        self.pooler = False
-        #: The session has a statement_timeout or lock_timeout of its own (learned by the
-        #: probe, or when one cut a wait short): waits without a timeout override them.
+        self.pooler = False  # a pooler (PgBouncer) sits between: see probe()
+        #: The session has a statement_timeout or lock_timeout of its own: waits override them.
         self.session_timeouts = False
-        #: Set when this bookkeeping was dropped while handles still held locks (for example
-        #: the pool reset the connection): those handles raise LockLost with this reason.
+        #: Why handles that still believe they hold a lock on the connection raise LockLost
+        #: (set when the bookkeeping was dropped, for example by the pool reset).
         self.lost: str | None = None
 
 
-_registry: weakref.WeakKeyDictionary[psycopg.Connection[Any], ConnState] = (
-    weakref.WeakKeyDictionary()
-)
+_registry = weakref.WeakKeyDictionary[psycopg.Connection[Any], ConnState]()
 _registry_lock = threading.Lock()
 
 
@@ -541,10 +439,8 @@ def state_for(conn: psycopg.Connection[Any]) -> ConnState:
 
 
 def forget(conn: psycopg.Connection[Any], *, lost: str | None = None) -> ConnState | None:
-    """Drop pglock's bookkeeping for ``conn`` (its session locks were all released).
-
-    ``lost`` is the reason that handles still believing they hold a lock on ``conn`` give
-    in their :class:`~pglock.LockLost`."""
+    """Drop pglock's bookkeeping for ``conn`` (its session locks were all released); ``lost``
+    is the reason handles still believing they hold a lock on it give in their LockLost."""
     with _registry_lock:
         state = _registry.pop(conn, None)
     if state is not None and lost is not None:
@@ -555,10 +451,7 @@ def forget(conn: psycopg.Connection[Any], *, lost: str | None = None) -> ConnSta
 
 
 def probe(conn: psycopg.Connection[Any], state: ConnState, ctx: Context | None = None) -> None:
-    """Once per connection: refuse a hot standby, and note the backend pid.
-
-    Run inside the caller's statement sequence (the caller handles the transaction).
-    """
+    """Once per connection (in the caller's transaction): refuse a hot standby, note the pid."""
     rows = run(conn, _sql.PROBE, ctx)
     in_recovery, pid, registry, timeouts = rows[0]
     if in_recovery:
@@ -571,8 +464,7 @@ def probe(conn: psycopg.Connection[Any], state: ConnState, ctx: Context | None =
     state.registry = registry
     state.session_timeouts = bool(timeouts)
     # PgBouncer (any mode) and other multiplexing poolers answer the startup with a cancel key
-    # of their own, so the pid the client was told differs from the server's. Comparing them
-    # costs nothing per lock: it is checked once, here.
+    # of their own, so the pid the client was told differs from the server's.
     state.pooler = pid != conn.info.backend_pid
     state.probed = True
 

@@ -1,12 +1,6 @@
-"""Client-side deadlines: a statement or a connect that gets no answer in time is cut off.
-
-A watchdog thread (:class:`_Watchdog`, one per process) shuts down the socket of a statement
-still running at its deadline, so the blocked psycopg call returns at once even when the
-network is silent (no FIN, no RST: TCP would wait for minutes); the connection is then closed
-and never reused, and the caller gets :class:`NoAnswer` (the statement's outcome is unknown).
-Connections pglock opens itself get :data:`CONNECT_DEFAULTS`. The policies (which statement
-gets which deadline) live with their users: the statement runner (``_conn``) for a caller's
-connection, the TTL-row client (``_source``, ``_ttl``) for leases and semaphores.
+"""Client-side deadlines: a statement or a connect that gets no answer in time is cut off (a
+silent network sends no FIN or RST, and TCP would wait for minutes), its connection closed and
+never reused. Which statement gets which deadline is decided by the callers (``_conn``, ``_ttl``).
 """
 
 from __future__ import annotations
@@ -19,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import psycopg
@@ -28,12 +23,9 @@ logger = logging.getLogger("pglock.deadline")
 
 T = TypeVar("T")
 
-#: libpq parameters added to the connections pglock opens itself (DSN sources, NOTIFY
-#: listeners) unless the DSN (or the pool's ``kwargs``) sets them: a connect gives up after
-#: 10 s, and the kernel declares a silent peer dead within about 25 s on an idle connection
-#: (keepalives) and 30 s with data unacknowledged (``tcp_user_timeout``, milliseconds). A
-#: ``PGCONNECT_TIMEOUT`` environment variable is left to libpq. Statement deadlines do not
-#: depend on these: see :class:`_Watchdog`.
+#: libpq parameters for the connections pglock opens itself, unless the DSN (or the pool's
+#: ``kwargs``) sets them: the kernel declares a silent peer dead within about 25 s on an idle
+#: connection (keepalives) and 30 s with data unacknowledged (``tcp_user_timeout``, in ms).
 CONNECT_DEFAULTS: Mapping[str, str] = {
     "connect_timeout": "10",
     "keepalives": "1",
@@ -51,28 +43,19 @@ class NoAnswer(psycopg.OperationalError):
     connection. Whether the statement ran on the server is unknown."""
 
 
+@dataclass(slots=True, eq=False)
 class _Watch:
     """One armed deadline: the connection to cut off when it passes."""
 
-    __slots__ = ("armed", "conn", "deadline", "fired")
-
-    def __init__(self, conn: psycopg.Connection[Any], deadline: float) -> None:
-        self.conn = conn
-        self.deadline = deadline
-        self.armed = True
-        self.fired = False
+    conn: psycopg.Connection[Any]
+    deadline: float
+    armed: bool = True
+    fired: bool = False
 
 
 class _Watchdog:
-    """Cuts off statements still running at their deadline: one thread per process.
-
-    :meth:`arm` before a statement, :meth:`disarm` after it (both cheap: a heap push and a
-    flag under one lock). When a deadline passes while armed, the thread shuts the
-    connection's socket down (on a duplicate of its file descriptor, which it then closes):
-    the psycopg call blocked on it returns at once with an ``OperationalError``, whatever the
-    network does. Firing and disarming take the same lock, so a connection that was disarmed
-    (and may be back in a pool) is never touched.
-    """
+    """Cuts off statements still running at their deadline: one thread per process. Firing and
+    disarming take the same lock, so a disarmed connection (maybe back in a pool) is never cut."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -136,12 +119,8 @@ def _cut_off(conn: psycopg.Connection[Any]) -> None:
     """Shut ``conn``'s socket down for both directions, without closing its descriptor (libpq
     owns it): a blocked read returns end-of-file at once."""
     try:
-        fd = conn.pgconn.socket
+        dup = os.dup(conn.pgconn.socket)
     except Exception:  # closed meanwhile: nothing blocks on it
-        return
-    try:
-        dup = os.dup(fd)
-    except OSError:
         return
     try:
         sock = socket.socket(fileno=dup)
@@ -161,21 +140,11 @@ _watchdog = _Watchdog()
 
 
 def within(
-    conn: psycopg.Connection[Any],
-    deadline: float | None,
-    call: Callable[[], T],
-    what: str,
+    conn: psycopg.Connection[Any], deadline: float | None, call: Callable[[], T], what: str
 ) -> T:
-    """``call()`` (statements on ``conn``) cut off at ``deadline`` (a monotonic instant; None:
-    no deadline).
-
-    A call cut off raises :class:`NoAnswer` (its cause the psycopg error it ended with) and
-    leaves ``conn`` closed: its protocol state is unknown, so it is never reused. A call that
-    returned although the deadline fired as it did keeps its result; its connection is closed
-    all the same.
-
-    :param what: the statement, for the error message.
-    """
+    """``call()`` (statements on ``conn``, named ``what`` in errors) cut off at ``deadline``
+    (monotonic; None: never) with :class:`NoAnswer`, ``conn`` closed; one that returned as the
+    deadline fired keeps its result, and its connection is closed all the same."""
     if deadline is None:
         return call()
     if time.monotonic() >= deadline:
@@ -220,17 +189,12 @@ def connect_extra(conninfo: str, kwargs: Mapping[str, Any] | None = None) -> dic
 
 
 def connect_within(
-    connect: Callable[[], psycopg.Connection[Any]],
-    deadline: float | None,
+    connect: Callable[[], psycopg.Connection[Any]], deadline: float | None,
     late: Callable[[psycopg.Connection[Any]], None],
 ) -> psycopg.Connection[Any]:
-    """``connect()``, given up at ``deadline``.
-
-    libpq's ``connect_timeout`` counts whole seconds (at least 2) per host; a waiter with less
-    time than that must not wait for it. With a deadline the connect runs in a thread of its
-    own: if it has not finished by then, :class:`NoAnswer` is raised and the connection, if
-    it comes later, goes to ``late`` (which keeps or closes it).
-    """
+    """``connect()`` in a thread of its own, given up at ``deadline`` with :class:`NoAnswer`
+    (libpq's ``connect_timeout`` counts whole seconds, at least 2, per host); a connection that
+    comes later goes to ``late`` (which keeps or closes it)."""
     if deadline is None:
         return connect()
     left = deadline - time.monotonic()
@@ -242,30 +206,27 @@ def connect_within(
 
     def run() -> None:
         try:
-            conn = connect()
+            result: psycopg.Connection[Any] | BaseException = connect()
         except BaseException as exc:
-            with lock:
-                box["error"] = exc
-            done.set()
-            return
+            result = exc
         with lock:
-            abandoned = box.get("abandoned", False)
+            abandoned = "abandoned" in box
             if not abandoned:
-                box["conn"] = conn
+                box["result"] = result
         done.set()
-        if abandoned:
-            late(conn)
+        if abandoned and not isinstance(result, BaseException):
+            late(result)
 
     threading.Thread(target=run, name="pglock-connect", daemon=True).start()
     done.wait(left)
     with lock:
-        if "conn" in box:
-            conn: psycopg.Connection[Any] = box["conn"]
-            return conn
-        if "error" in box:
-            error: BaseException = box["error"]
-            raise error
-        box["abandoned"] = True
+        outcome: psycopg.Connection[Any] | BaseException | None = box.get("result")
+        if outcome is None:
+            box["abandoned"] = True
+    if isinstance(outcome, BaseException):
+        raise outcome
+    if outcome is not None:
+        return outcome
     raise NoAnswer(
         f"pglock: opening a connection took longer than the {left:.2f} s left (it goes on in "
         "the background)"

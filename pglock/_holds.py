@@ -1,6 +1,5 @@
-"""Which threads hold which keys on one connection: pglock's arbitration between threads
-that share a session (docs/how-it-works.md, "Threads sharing a connection" and "Transaction
-locks"). Bookkeeping only; the SQL is sent by :mod:`pglock._advisory` and :mod:`pglock._xact`.
+"""Which threads hold which keys on one connection (docs/how-it-works.md, "Threads sharing a
+connection"). Bookkeeping only; the SQL is sent by :mod:`pglock._advisory` and :mod:`pglock._xact`.
 """
 
 from __future__ import annotations
@@ -15,8 +14,7 @@ from ._conn import IDLE, ConnState, KeyHold, XactHold
 from ._keys import remaining
 from .errors import InvalidConnectionState, LockError
 
-#: The outcome of a transaction-lock statement that ended in an unexpected error or an
-#: interrupt: the lock may be held, so pg_locks decides when another thread asks.
+#: The outcome of a transaction-lock statement ended by an unexpected error or an interrupt.
 UNKNOWN: Any = object()
 
 
@@ -49,24 +47,12 @@ def _blocked(
 
 
 def reserve(
-    conn: psycopg.Connection[Any],
-    state: ConnState,
-    keys: Sequence[int],
-    names: Sequence[str],
-    *,
-    shared: bool,
-    deadline: float | None,
-    stop: Callable[[], bool],
-    checked: bool = False,
+    conn: psycopg.Connection[Any], state: ConnState, keys: Sequence[int], names: Sequence[str],
+    *, shared: bool, deadline: float | None, stop: Callable[[], bool], checked: bool = False,
 ) -> list[int] | None:
     """Wait until no other thread holds ``keys`` on this session in a conflicting mode, then
-    record this thread as a holder. Returns the keys the session must still take from
-    Postgres, or None at the deadline or once ``stop()``. All keys are granted together: a
-    thread never waits while holding some.
-
-    Another thread's transaction lock on a key in the transaction open on this connection
-    refuses at once (:func:`xact_conflicts`: pglock cannot wait for that transaction to end
-    on the same connection)."""
+    record this thread as a holder of all of them. Returns the keys the session must still take
+    from Postgres, or None at the deadline or once ``stop()``."""
     me = threading.current_thread()
     mode = "s" if shared else "x"
     with state.cond:
@@ -91,9 +77,8 @@ def reserve(
 
 
 def unreserve(state: ConnState, keys: Sequence[int], me: threading.Thread) -> list[int]:
-    """Drop one count of ``me`` from ``keys``; return the keys no thread holds any more.
-
-    Those stay recorded as pending (so other threads wait) until :func:`settle` runs."""
+    """Drop one count of ``me`` from ``keys``; return the keys no thread holds any more (pending
+    until :func:`settle`, so other threads wait)."""
     with state.cond:
         emptied: list[int] = []
         for k in keys:
@@ -122,24 +107,14 @@ def settle(state: ConnState, granted: Sequence[int], dropped: Sequence[int]) -> 
         state.cond.notify_all()
 
 
-# -- transaction locks ---------------------------------------------------------------------
-
-
 def xact_conflicts(
-    conn: psycopg.Connection[Any],
-    state: ConnState,
-    keys: Sequence[int],
-    names: Sequence[str],
+    conn: psycopg.Connection[Any], state: ConnState, keys: Sequence[int], names: Sequence[str],
     checked: bool,
 ) -> None:
     """Under ``state.cond``: refuse, or ask for a pg_locks check (:class:`Recheck`), when
-    another thread has a transaction-lock record on one of ``keys``.
-
-    Records of a transaction that has ended are dropped here without SQL when the connection
-    is idle (read after the record was settled, so that transaction is over). A pending
-    record (another thread's statement in flight, in the transaction now open) refuses at
-    once, as does any conflicting record once pg_locks was checked (``checked``): it was made
-    since, in this transaction."""
+    another thread has a transaction-lock record on one of ``keys``. On an idle connection
+    settled records are of ended transactions: dropped. A pending one refuses at once, as does
+    any once pg_locks was checked (``checked``: it was made since, in this transaction)."""
     me = threading.current_thread()
     foreign = {k: r for k in keys if (r := state.xact.get(k)) is not None and r.owner is not me}
     if foreign and conn.pgconn.transaction_status == IDLE:
@@ -156,24 +131,14 @@ def xact_conflicts(
 
 
 def xact_reserve(
-    conn: psycopg.Connection[Any],
-    state: ConnState,
-    keys: Sequence[int],
-    names: Sequence[str],
-    *,
-    shared: bool,
-    deadline: float | None,
-    checked: bool = False,
+    conn: psycopg.Connection[Any], state: ConnState, keys: Sequence[int], names: Sequence[str],
+    *, shared: bool, deadline: float | None, checked: bool = False,
 ) -> dict[int, XactHold | None] | None:
-    """Record this thread as taking ``keys`` in the connection's transaction, before any SQL.
+    """Record this thread as taking ``keys`` in the connection's transaction, before any SQL,
+    after waiting while another thread holds one as a conflicting session lock here. Returns
+    the records it replaced (restored if the attempt fails), or None at the deadline.
 
-    Waits first (in-process, until ``deadline``) while another thread holds one of the keys
-    as a session lock on this connection in a conflicting mode: Postgres would grant this
-    session the key at once. Returns the records it replaced (restored if the attempt fails),
-    or None at the deadline.
-
-    :raises InvalidConnectionState: another thread holds or is taking a key in this same
-        transaction.
+    :raises InvalidConnectionState: another thread holds or is taking a key in this transaction.
     :raises Recheck: another thread's record conflicts and pg_locks must say if it is stale.
     """
     me = threading.current_thread()
@@ -213,8 +178,7 @@ def xact_settle(
     state: ConnState, keys: Sequence[int], prior: dict[int, XactHold | None], started: Any
 ) -> None:
     """Turn this attempt's reservations into records (granted), back into what they replaced
-    (not granted: ``started`` is None), or into records of unknown outcome (:data:`UNKNOWN`:
-    an unexpected error or an interrupt)."""
+    (``started`` is None), or into records of unknown outcome (:data:`UNKNOWN`)."""
     me = threading.current_thread()
     with state.cond:
         mine = {k: r for k in keys if (r := state.xact.get(k)) is not None and r.owner is me}
@@ -228,11 +192,9 @@ def xact_settle(
             return
         if started is not UNKNOWN and len(state.xact) > len(mine):
             # Records of other, ended transactions (the connection has one at a time).
-            for k in [
-                k for k, r in state.xact.items()
-                if not r.pending and r.started is not None and r.started != started
-            ]:
-                del state.xact[k]
+            for k, r in list(state.xact.items()):
+                if not r.pending and r.started is not None and r.started != started:
+                    del state.xact[k]
         for r in mine.values():
             r.pending = False
             r.started = None if started is UNKNOWN else started

@@ -4,16 +4,14 @@ The contract (stable across versions, processes and platforms)::
 
     key(name) = int.from_bytes(sha256(name.encode("utf-8")).digest()[:8], "big", signed=True)
 
-Names are compared exactly: no case folding and no Unicode normalisation ("é" and "e\u0301"
-are different locks). A name is a non-empty ``str`` of at most :data:`MAX_NAME_BYTES` bytes in
-UTF-8, without NUL characters or lone surrogates.
+Names are compared exactly: no case folding, no Unicode normalisation ("é" and "e\u0301" are
+different locks). A name is a non-empty ``str`` of at most :data:`MAX_NAME_BYTES` bytes in UTF-8,
+without NUL characters or lone surrogates.
 
-Namespaces. ``Locker(source, namespace=ns)`` folds its namespace into every name: the name
-locked (and hashed) is ``f"{ns}:{name}"``, so ``Locker(pool, namespace="billing").lock("x")``
-and ``pg_lock(conn, "billing:x")`` are the same lock. A namespace follows the rules for names
-and must not contain ``":"``: the first ``":"`` of a namespaced name then separates the
-namespace, and two different namespaces can never produce the same full name. The full name
-must fit :data:`MAX_NAME_BYTES`.
+``Locker(source, namespace=ns)`` locks (and hashes) the full name ``f"{ns}:{name}"``:
+``Locker(pool, namespace="billing").lock("x")`` is ``pg_lock(conn, "billing:x")``. A namespace
+follows the rules for names and has no ``":"`` (so two namespaces never make the same full
+name); the full name must fit :data:`MAX_NAME_BYTES`.
 """
 
 from __future__ import annotations
@@ -30,6 +28,7 @@ MAX_NAME_BYTES = 1024
 
 #: The longest wait pglock can hand to ``lock_timeout`` (Postgres takes INT_MAX milliseconds).
 MAX_TIMEOUT = 2_147_483.0
+
 
 def validate_name(name: object) -> str:
     """Return ``name`` if it is a valid lock name, else raise ``TypeError``/``ValueError``."""
@@ -74,10 +73,8 @@ def _key(name: str) -> int:
 
 
 def normalize_names(names: object) -> list[tuple[int, str]]:
-    """Validate one name or several; return ``(key, name)`` pairs sorted by key, one per key.
-
-    Sorting by key gives every process the same acquisition order, so taking several names
-    at once cannot deadlock against another pglock caller taking an overlapping set.
+    """Validate one name or several; return ``(key, name)`` pairs sorted by key, one per key
+    (every process takes several names in the same order, so overlapping sets cannot deadlock).
     """
     if isinstance(names, str):
         return [(_key(validate_name(names)), names)]
@@ -85,8 +82,7 @@ def normalize_names(names: object) -> list[tuple[int, str]]:
         raise TypeError("a lock name must be a str, not bytes; decode it first")
     if not isinstance(names, (list, tuple, set, frozenset)):
         raise TypeError(
-            "names must be a str or a list/tuple/set of str, "
-            f"not {type(names).__name__}"
+            f"names must be a str or a list/tuple/set of str, not {type(names).__name__}"
         )
     if not names:
         raise ValueError("at least one lock name is required")
@@ -97,9 +93,8 @@ def normalize_names(names: object) -> list[tuple[int, str]]:
 
 
 class _LockDefault:
-    """The default of ``acquire(timeout=...)`` and the like: the timeout the lock was made with.
-
-    One object for every lock kind, with a repr that reads well in ``help()``."""
+    """The default of ``acquire(timeout=...)`` and the like, for every lock kind: the timeout the
+    lock was made with (a repr that reads well in ``help()``)."""
 
     __slots__ = ()
 
@@ -116,9 +111,7 @@ def validate_timeout(timeout: object, *, what: str = "timeout") -> float | None:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(
-            f"{what} must be None or a number of seconds, not {type(timeout).__name__}"
-        )
+        raise TypeError(f"{what} must be None or a number of seconds, not {type(timeout).__name__}")
     value = float(timeout)
     if math.isnan(value):
         raise ValueError(f"{what} must be a number of seconds, not NaN")

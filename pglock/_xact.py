@@ -1,8 +1,5 @@
-"""Transaction-level advisory locks on a caller's connection: ``xact_lock`` and
-``try_xact_lock``, released by Postgres when the caller's transaction ends.
-
-The design is explained in docs/how-it-works.md ("Transaction locks").
-"""
+"""Transaction-level advisory locks on a caller's connection (docs/how-it-works.md,
+"Transaction locks")."""
 
 from __future__ import annotations
 
@@ -35,14 +32,12 @@ def xact_lock(
     There is no unlock: commit or roll back to release. A timed-out or failed attempt leaves
     the caller's transaction usable (pglock works under a savepoint).
 
-    :param conn: a psycopg ``Connection`` in a transaction (or non-autocommit, where the
-        statement begins one as any psycopg statement does), a SQLAlchemy ``Connection`` or an
-        ORM ``Session`` (psycopg driver).
-    :raises pglock.LockNotAcquired: not acquired within ``timeout`` (``0``: held elsewhere,
-        or by another thread's ``pg_lock`` on this connection, which is waited for in-process).
-    :raises pglock.InvalidConnectionState: no transaction is open (autocommit), or the
-        transaction has failed, or another thread holds (or is taking) the name in this same
-        transaction: threads sharing one transaction cannot exclude each other.
+    :param conn: a psycopg ``Connection`` in a transaction (or non-autocommit: the statement
+        begins one), a SQLAlchemy ``Connection`` or an ORM ``Session`` (psycopg driver).
+    :raises pglock.LockNotAcquired: not acquired within ``timeout`` (another thread's
+        ``pg_lock`` on this connection is waited for in-process).
+    :raises pglock.InvalidConnectionState: no transaction is open (autocommit), it has failed,
+        or another thread holds (or is taking) the name in this same transaction.
 
     Example::
 
@@ -54,8 +49,7 @@ def xact_lock(
     validate_flag(shared, "shared")
     t = validate_timeout(timeout)
     target = _conn.resolve(conn, "xact_lock")
-    keys = [k for k, _ in pairs]
-    names_ = [n for _, n in pairs]
+    keys, names_ = [k for k, _ in pairs], [n for _, n in pairs]
     if not xact_acquire(target, keys, names_, shared=shared, timeout=t):
         raise LockNotAcquired.for_names(names_, keys=keys, timeout=t)
 
@@ -74,16 +68,11 @@ def try_xact_lock(conn: object, names: str | Sequence[str], *, shared: bool = Fa
 
 
 def xact_acquire(
-    target: Target,
-    keys: list[int],
-    names: list[str],
-    *,
-    shared: bool,
-    timeout: float | None,
+    target: Target, keys: list[int], names: list[str], *, shared: bool, timeout: float | None,
     api: str = "xact_lock",
 ) -> bool:
-    """Take a transaction lock on ``keys`` in the transaction open on ``target``; False when
-    not acquired within ``timeout``."""
+    """Take a transaction lock on ``keys`` in ``target``'s open transaction; False when not
+    acquired within ``timeout``."""
     conn = target.conn
     if _conn.check_usable(conn) == IDLE and conn.autocommit:
         raise InvalidConnectionState.no_transaction(
@@ -113,7 +102,7 @@ def xact_acquire(
             )
             if started is not AGAIN:
                 break
-        if started is AGAIN:
+        else:
             started = None
     finally:
         _holds.xact_settle(state, keys, prior, started)
@@ -124,19 +113,11 @@ def xact_acquire(
 
 
 def _statement(
-    conn: psycopg.Connection[Any],
-    state: ConnState,
-    keys: list[int],
-    names: list[str],
-    *,
-    shared: bool,
-    timeout: float | None,
-    ctx: Context,
+    conn: psycopg.Connection[Any], state: ConnState, keys: list[int], names: list[str], *,
+    shared: bool, timeout: float | None, ctx: Context,
 ) -> Any:
-    """Send the transaction-lock statement: the transaction's identity (its start) when
-    granted, None when not acquired in time, ``AGAIN`` when the session's own timeouts cut a
-    wait without a timeout short (send it again). A failed attempt leaves the caller's
-    transaction as it was (pglock's savepoint is rolled back)."""
+    """Send the transaction-lock statement: the transaction's start when granted, None when not
+    acquired in time, ``AGAIN`` to send it again (see :func:`_run`)."""
     try_ = timeout == 0
     registering = _registry.pending(conn, state, keys, names)
     limit = wait_limit(timeout, state)
@@ -160,9 +141,8 @@ def _statement(
 def _run(
     conn: psycopg.Connection[Any], state: ConnState, timeout: float | None, send: Callable[[], _T],
 ) -> _T | Any:
-    """``send()``; None when the lock was not acquired in time, ``AGAIN`` when the session's
-    own timeouts cut the wait short. After any failure the caller's transaction is back as it
-    was before pglock's savepoint."""
+    """``send()``; None when not acquired in time, ``AGAIN`` when the session's own timeouts cut
+    the wait short. After any failure, rolls back to pglock's savepoint."""
     try:
         return send()
     except BaseException as exc:
@@ -173,34 +153,24 @@ def _run(
 
 
 def _batch(
-    conn: psycopg.Connection[Any],
-    state: ConnState,
-    keys: list[int],
-    *,
-    shared: bool,
-    timeout: float | None,
-    limit: int | None,
-    registering: Any,
-    ctx: Context,
+    conn: psycopg.Connection[Any], state: ConnState, keys: list[int], *, shared: bool,
+    timeout: float | None, limit: int | None, registering: Any, ctx: Context,
 ) -> Any:
-    """Several keys, a wait limit, or a name to register: the statement as a batch under
-    pglock's savepoint. The transaction's start when granted, None when not, ``AGAIN`` to
-    send it again (see :func:`_xact_statement`)."""
+    """:func:`_statement` for several keys, a wait limit, or a name to register: a batch under
+    pglock's savepoint."""
     try_ = timeout == 0
+    ending: list[sql.Composable] = [_sql.release_savepoint()]
+    if registering:
+        ending.append(_registry.statement(registering))
     parts: list[sql.Composable] = [_sql.savepoint()]
     if limit is not None:
-        parts += [
-            _sql.current_timeouts(),
-            _sql.set_local_timeouts(limit, several=len(keys) > 1),
-        ]
+        parts += [_sql.current_timeouts(), _sql.set_local_timeouts(limit, several=len(keys) > 1)]
     parts += [_sql.TRANSACTION_START, _sql.lock(keys, shared=shared, xact=True, try_=try_)]
     # One round trip in the common cases: the savepoint can be released in the same batch
     # unless a partial multi-key try must be rolled back or SET LOCAL must be undone.
     released = limit is None and not (try_ and len(keys) > 1)
     if released:
-        parts.append(_sql.release_savepoint())
-        if registering:
-            parts.append(_registry.statement(registering))
+        parts += ending
     batch = sql.SQL("; ").join(parts)
     results = _run(conn, state, timeout, lambda: _conn.run_all(conn, batch, ctx))
     if results is None or results is AGAIN:
@@ -217,10 +187,7 @@ def _batch(
         if limit is not None:
             lock_timeout, statement_timeout = results[0][0]
             tail.append(_sql.restore_timeouts(lock_timeout, statement_timeout))
-        tail.append(_sql.release_savepoint())
-        if registering:
-            tail.append(_registry.statement(registering))
-        rest = sql.SQL("; ").join(tail)
+        rest = sql.SQL("; ").join(tail + ending)
         done = _run(conn, state, timeout, lambda: _conn.run(conn, rest, ctx))
         if done is None or done is AGAIN:
             return done
