@@ -18,6 +18,7 @@ from typing import Any, TypedDict
 
 from . import _base, _claims, _ttl
 from ._claims import default_holder
+from ._classify import Deferred
 from ._contract import DEFAULT_SCHEMA, MAX_TTL, lease_channel, validate_schema
 from ._deadline import NoAnswer
 from ._keys import validate_flag, validate_name, validate_timeout
@@ -36,7 +37,7 @@ from ._lease_rows import (
     run_once_more,
 )
 from ._lease_rows import run as _run
-from ._source import ANSWER_GRACE, WAIT_CHUNK, short_deadline
+from ._source import ANSWER_GRACE, WAIT_CHUNK, Source, short_deadline
 from ._validate import (
     MAX_HOLDER_BYTES,
     MAX_METADATA_BYTES,
@@ -100,19 +101,10 @@ class Lease(_base.BaseLock, _ttl.Held):
     """
 
     def __init__(
-        self,
-        source: object,
-        name: str,
-        *,
-        ttl: float = 30.0,
-        timeout: float | None = None,
-        metadata: Any = None,
-        keepalive: bool = True,
-        holder: str | None = None,
-        on_lost: Callable[[Lease], object] | None = None,
-        resume: bool = False,
-        durable: bool = True,
-        schema: str = DEFAULT_SCHEMA,
+        self, source: object, name: str, *, ttl: float = 30.0, timeout: float | None = None,
+        metadata: Any = None, keepalive: bool = True, holder: str | None = None,
+        on_lost: Callable[[Lease], object] | None = None, resume: bool = False,
+        durable: bool = True, schema: str = DEFAULT_SCHEMA,
     ) -> None:
         self._name = validate_name(name)
         self._ttl = validate_ttl(ttl)
@@ -132,10 +124,11 @@ class Lease(_base.BaseLock, _ttl.Held):
             if metadata is not None:
                 raise ValueError("resume=True keeps the stored metadata; do not pass metadata")
         self._holder = default_holder() if holder is None else validate_holder(holder)
-        self._source = make_source(source)
-        #: The process's wait queue for the name (see :func:`_ttl.wait`).
-        self._qkey = (self._source.key, self._schema, lease_channel(self._schema), self._name)
-        self._group = (self._source.key, self._schema)
+        self._deferred: Deferred | None = None
+        if isinstance(source, Deferred):  # a Locker's pool: resolved at the first acquire
+            self._deferred = source
+        else:
+            self._bind(make_source(source))
 
         self._op = threading.Lock()  # acquire / release / extend, one at a time
         self._lock = threading.Lock()  # the fields below
@@ -153,11 +146,17 @@ class Lease(_base.BaseLock, _ttl.Held):
         #: Why the last acquire did not grant, when not refused by a holder (no answer, a
         #: grant that came too late): for the LockNotAcquired message.
         self._why_not: str | None = None
-        #: One live handle per (database, schema, name, holder id) in the process.
-        self._claim_key = (self._source.database, self._schema, self._name, self._holder)
         #: Another handle took the claim over (resume, or this one was lost): a release of
         #: this handle sends nothing.
         self._superseded = False
+
+    def _bind(self, source: Source) -> None:
+        self._source = source
+        #: The process's wait queue for the name (see :func:`_ttl.wait`).
+        self._qkey = (source.key, self._schema, lease_channel(self._schema), self._name)
+        self._group = (source.key, self._schema)
+        #: One live handle per (database, schema, name, holder id) in the process.
+        self._claim_key = (source.database, self._schema, self._name, self._holder)
 
     # -- properties --------------------------------------------------------------------------
 
@@ -245,6 +244,9 @@ class Lease(_base.BaseLock, _ttl.Held):
         return granted
 
     def _acquire_now(self, timeout: float | None, closed: _ttl.Closed) -> bool:
+        if self._deferred is not None:
+            self._bind(make_source(self._deferred.resolve()))
+            self._deferred = None
         self._forget_lost()
         _claims.claim(self, resume=self._resume, in_use=self._in_use)
         granted = False
@@ -276,15 +278,11 @@ class Lease(_base.BaseLock, _ttl.Held):
         return self._state in (_HELD, _LOST)
 
     def _not_acquired(self) -> LockNotAcquired:
-        info = ""
-        if self._why_not is not None:
-            info = f": {self._why_not}"
-        elif self._refused is not None and self._refused[0] is not None:
-            info = f": held by {self._refused[0]!r} until {self._refused[1]}"
-        within = "" if self._timeout is None else f" within {self._timeout:.2f} s"
-        return LockNotAcquired(
-            self._name, timeout=self._timeout,
-            message=f"could not acquire lease {self._name!r}{within}{info}",
+        info = self._why_not
+        if info is None and self._refused is not None and self._refused[0] is not None:
+            info = f"held by {self._refused[0]!r} until {self._refused[1]}"
+        return LockNotAcquired.for_names(
+            [self._name], timeout=self._timeout, what="lease", busy=None, detail=info
         )
 
     def _wake(self) -> None:

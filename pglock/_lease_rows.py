@@ -252,10 +252,7 @@ def fence(
     pg = target.conn
     status = _conn.check_usable(pg)
     if status == TransactionStatus.IDLE and pg.autocommit:
-        raise InvalidConnectionState(
-            "guard() needs the caller's open transaction: this connection is in autocommit "
-            "mode, so the row lock would end at once; use 'with conn.transaction():'"
-        )
+        raise InvalidConnectionState.no_transaction("guard()", "the row lock would end at once")
     _conn.ensure_sqlalchemy_transaction(target)
     try:
         found = _conn.fetch(pg, stmt("guard", schema), (name, holder, token))
