@@ -58,7 +58,6 @@ logger = logging.getLogger("pglock.lease")
 _EXPIRY_MARGIN = 0.002
 
 
-
 class State(Enum):
     """Where a lease handle is: never acquired (or given up), held, known lost, released."""
 
@@ -75,29 +74,17 @@ _NEW, _HELD, _LOST, _RELEASED = State.NEW, State.HELD, State.LOST, State.RELEASE
 shutdown = _ttl.shutdown
 
 
-# --- the public API ----------------------------------------------------------------------------
-
-
 class Lease(_base.BaseLock, _ttl.Held):
-    """A TTL lease on a name, with a fencing token; see :func:`lease`.
+    """A TTL lease on a name, with a fencing token; see :func:`lease` and docs/leases.md.
 
     Thread safety: a ``Lease`` may be shared between threads (``check()``, ``guard()`` and the
     properties are safe from any thread; ``acquire``/``release``/``extend`` are serialized).
-    pglock's keepalive renews it in the background.
 
-    One holder id, one handle: in a process, a second handle of a holder id on a lease (same
-    database, schema and name) is refused with :class:`pglock.errors.HolderInUse` before any
-    SQL, unless the first one's lease was lost; ``resume=True`` takes a live lease over from
-    the first handle, which then reports it lost (docs/leases.md, "Taking a lease").
-
-    ``acquire(blocking=True, timeout=<the lease's timeout>) -> bool`` follows the lock
-    contract (docs/locks.md). It returns True only for a grant whose answer arrived before the
-    grant's client deadline (send time + ``ttl``); a later one is given back, never believed.
-    An acquire that gets no answer by ``timeout + ANSWER_GRACE`` (1 s) returns False. It raises
-    :class:`RuntimeError` when this handle already holds the lease, :class:`HolderInUse`
-    (before any SQL) when another live handle of the process has its holder id, and
-    :class:`pglock.LockLost` for ``resume=True`` (which never waits) when no live lease of the
-    holder exists.
+    ``acquire(blocking=True, timeout=<the lease's timeout>) -> bool`` follows the lock contract
+    (docs/locks.md). It raises :class:`RuntimeError` when this handle already holds the lease,
+    :class:`pglock.errors.HolderInUse` (before any SQL) when another live handle of the process
+    has its holder id, and :class:`pglock.LockLost` for ``resume=True`` when no live lease of
+    the holder exists.
     """
 
     def __init__(
@@ -143,11 +130,9 @@ class Lease(_base.BaseLock, _ttl.Held):
         self._retry_at: float | None = None
         self._renewing = False  # guarded by the keepalive's lock
         self._refused: tuple[str | None, datetime | None] | None = None  # (holder, until)
-        #: Why the last acquire did not grant, when not refused by a holder (no answer, a
-        #: grant that came too late): for the LockNotAcquired message.
+        #: Why the last acquire did not grant, when not refused by a holder (LockNotAcquired).
         self._why_not: str | None = None
-        #: Another handle took the claim over (resume, or this one was lost): a release of
-        #: this handle sends nothing.
+        #: Another handle took the claim over: a release of this handle sends nothing.
         self._superseded = False
 
     def _bind(self, source: Source) -> None:
@@ -157,8 +142,6 @@ class Lease(_base.BaseLock, _ttl.Held):
         self._group = (source.key, self._schema)
         #: One live handle per (database, schema, name, holder id) in the process.
         self._claim_key = (source.database, self._schema, self._name, self._holder)
-
-    # -- properties --------------------------------------------------------------------------
 
     @property
     def name(self) -> str:
@@ -181,9 +164,8 @@ class Lease(_base.BaseLock, _ttl.Held):
 
     @property
     def token(self) -> int | None:
-        """The fencing token of the current grant (None before the first acquire).
-
-        Strictly larger for every new grant of the name; kept by extend and re-acquire."""
+        """The fencing token of the current grant (None before the first acquire): strictly
+        larger for every new grant of the name; kept by extend and re-acquire."""
         return self._token
 
     @property
@@ -215,14 +197,10 @@ class Lease(_base.BaseLock, _ttl.Held):
             return self._lost_now()
 
     def _lost_now(self) -> bool:
-        return self._state is _LOST or (
-            self._state is _HELD and time.monotonic() >= self._deadline
-        )
+        return self._state is _LOST or (self._state is _HELD and time.monotonic() >= self._deadline)
 
     def __repr__(self) -> str:
         return f"<pglock.Lease {self._name!r} {self._state.value} token={self._token}>"
-
-    # -- acquire -----------------------------------------------------------------------------
 
     def _acquire(self, timeout: float | None) -> bool:
         waits = self._waiters()
@@ -303,12 +281,9 @@ class Lease(_base.BaseLock, _ttl.Held):
     def _claim_state(self) -> tuple[bool, bool]:
         return not self._lost_now(), self._state is _HELD
 
-    # -- acquiring ---------------------------------------------------------------------------
-
     def _attempt(self, wait: float | None) -> Grant | None:
-        """One acquire statement, asking the server to wait ``wait`` seconds at most (None:
-        ``WAIT_CHUNK``). Returns its row plus the monotonic send and receive times, or None
-        when it got no answer by ``wait + ANSWER_GRACE`` (it was cut off)."""
+        """One acquire statement, the server waiting ``wait`` s at most (None: ``WAIT_CHUNK``):
+        its row with send and receive times, or None when cut off at ``wait + ANSWER_GRACE``."""
         wait = WAIT_CHUNK if wait is None else min(wait, WAIT_CHUNK)
         sent = time.monotonic()
         try:
@@ -403,8 +378,7 @@ class Lease(_base.BaseLock, _ttl.Held):
     @staticmethod
     def _wake_after(row: Grant | None) -> float:
         """When to try again after an attempt that did not grant: just after the holder's
-        expiry on the server clock, or after a short jittered pause (contention, a grant
-        given back, no answer)."""
+        expiry on the server clock, or after a short jittered pause."""
         if row is not None and not row.granted and row.expires_at and row.server_time:
             left = max(0.0, float((row.expires_at - row.server_time).total_seconds()))
             return row.received + left + _EXPIRY_MARGIN
@@ -432,13 +406,10 @@ class Lease(_base.BaseLock, _ttl.Held):
             logger.info("lease %r: %s", self._name, self._why_not)
             return False
         self._metadata = metadata
-        self._granted(
-            Grant(True, self._holder, token, acquired_at, expires_at, None, sent, received)
-        )
+        grant = Grant(True, self._holder, token, acquired_at, expires_at, None, sent, received)
+        self._granted(grant)
         logger.info("resumed lease %r (token %s)", self._name, token)
         return True
-
-    # -- release -----------------------------------------------------------------------------
 
     def release(self) -> None:
         """Release the lease (one statement); waiting holders wake at once.
@@ -496,8 +467,6 @@ class Lease(_base.BaseLock, _ttl.Held):
             elif not was_lost:
                 reason = "it was no longer held by this holder (expired and taken over)"
             raise LockLost(self._name, reason=reason)
-
-    # -- while held --------------------------------------------------------------------------
 
     def check(self) -> None:
         """Raise :class:`pglock.LockLost` if the lease is lost or its deadline has passed.
@@ -570,8 +539,6 @@ class Lease(_base.BaseLock, _ttl.Held):
             self._ensure_valid()
             raise LockLost(self._name, reason="guard found it no longer held")
 
-    # -- internals used by the keepalive -----------------------------------------------------
-
     def _ensure_valid(self) -> None:
         with self._lock:
             state, reason, deadline = self._state, self._lost_reason, self._deadline
@@ -598,9 +565,8 @@ class Lease(_base.BaseLock, _ttl.Held):
     def _renewed(
         self, gen: int, sent: float, ttl: float, expires_at: datetime, received: float
     ) -> None:
-        """A renewal sent at ``sent`` answered at ``received``: move the deadline on, unless
-        the answer came after the current deadline (the lease was lost by then, and
-        ``on_lost`` may have run: a late answer never brings it back)."""
+        """A renewal sent at ``sent`` answered at ``received``: move the deadline on, unless the
+        answer came after it (the lease was lost by then: a late answer never brings it back)."""
         with self._lock:
             if gen != self._gen or self._state is not _HELD:
                 return
@@ -612,9 +578,7 @@ class Lease(_base.BaseLock, _ttl.Held):
                     self._expires_at = expires_at
                 self._retry_at = None
         if late:
-            self._lose(
-                "a renewal's answer arrived after the lease's client deadline", gen=gen
-            )
+            self._lose("a renewal's answer arrived after the lease's client deadline", gen=gen)
 
     @classmethod
     def _renew_batch(cls, leases: list[Lease]) -> None:
@@ -638,8 +602,7 @@ class Lease(_base.BaseLock, _ttl.Held):
             else:
                 lease._lose(
                     "the renewal found it no longer held (expired, taken over, or released "
-                    "elsewhere)",
-                    gen=due.gen,
+                    "elsewhere)", gen=due.gen,
                 )
 
     def _lose(self, reason: str, gen: int | None = None) -> None:
@@ -680,16 +643,11 @@ class LeaseOptions(TypedDict, total=False):
 def lease(
     source: object, name: str, *, schema: str = DEFAULT_SCHEMA, **options: Unpack[LeaseOptions]
 ) -> Lease:
-    """A TTL lease on ``name`` with a fencing token, as a context manager.
-
-    A lease is a row in the pglock schema: it names its holder, expires on its own if the
-    holder dies, carries metadata, and hands out a fencing token that is strictly larger for
-    every new grant. Time is the database's ``clock_timestamp()``.
+    """A TTL lease on ``name`` with a fencing token, as a context manager (docs/leases.md).
 
     :param source: a ``psycopg_pool.ConnectionPool``, a SQLAlchemy ``Engine`` (psycopg driver)
-        or a DSN string. Lease statements run on connections of their own from it (for a DSN,
-        pglock keeps a few connections open and closes them at exit), never in the caller's
-        transaction.
+        or a DSN string; lease statements run on connections of their own from it, never in
+        the caller's transaction.
     :param schema: the pglock schema (default ``pglock``).
     :param options: keyword-only, the same for ``Locker.lease`` (``LeaseOptions``):
 
@@ -697,19 +655,16 @@ def lease(
         * ``timeout`` (default None): ``None`` waits until granted; ``0`` tries once; ``> 0``
           waits that long;
         * ``metadata`` (default None): any JSON value stored with the lease (at most 64 KiB);
-        * ``keepalive`` (default True): renew in pglock's background thread at about
-          ``ttl/3``;
-        * ``holder`` (default: ``host:pid:random``, unique per handle): the holder id. The same
-          holder re-acquiring a live lease keeps its token. In one process, one handle per
-          holder id and lease: a second one's acquire raises
-          :class:`pglock.errors.HolderInUse`;
+        * ``keepalive`` (default True): renew in pglock's background thread at about ``ttl/3``;
+        * ``holder`` (default: ``host:pid:random``, unique per handle): the holder id; the same
+          holder re-acquiring a live lease keeps its token. One handle per holder id and lease
+          in a process: a second one's acquire raises :class:`pglock.errors.HolderInUse`;
         * ``on_lost`` (default None): called as ``on_lost(lease)`` when the lease is lost (in
           pglock's thread);
         * ``resume`` (default False): re-attach to a live lease of ``holder`` (after a restart)
           instead of acquiring; :class:`pglock.LockLost` if there is none;
         * ``durable`` (default True): False sends grants and renewals with
-          ``synchronous_commit = off`` (faster; a server crash can forget the last grants: see
-          docs/leases.md).
+          ``synchronous_commit = off`` (faster; a server crash can forget the last grants).
     :raises TypeError, ValueError: bad arguments, before any SQL.
 
     Example::

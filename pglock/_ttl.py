@@ -9,7 +9,7 @@ import atexit
 import logging
 import random
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -86,10 +86,7 @@ def _execute(
             raise
         return results[-1] if results else []
     except psycopg.Error as exc:
-        translated = translate(exc, conn, schema)
-        if translated is None:
-            raise
-        raise translated from exc
+        raise_translated(exc, conn, schema)
     finally:
         if restore and not (conn.closed or conn.broken):
             try:
@@ -161,10 +158,13 @@ def _rollback(conn: psycopg.Connection[Any]) -> None:
             logger.debug("rolling back a failed statement failed", exc_info=True)
 
 
-def translate(exc: psycopg.Error, conn: psycopg.Connection[Any], schema: str) -> Exception | None:
-    """The pglock error for a Postgres error of a TTL-row statement (a missing schema, an
-    exhausted token sequence; see :func:`pglock._conn.translate`), or None."""
-    return _conn.translate(exc, _conn.Context(schema=schema, waits=False), conn)
+def raise_translated(exc: psycopg.Error, conn: psycopg.Connection[Any], schema: str) -> NoReturn:
+    """Raise the pglock error for a TTL-row statement's ``exc`` (a missing schema, an exhausted
+    token sequence: :func:`pglock._conn.translate`) from it, or ``exc`` itself."""
+    translated = _conn.translate(exc, _conn.Context(schema=schema, waits=False), conn)
+    if translated is None:
+        raise exc
+    raise translated from exc
 
 
 def register(item: Held) -> None:
