@@ -175,8 +175,7 @@ class Lease(_base.BaseLock, _ttl.Held):
 
     @property
     def expires_at(self) -> datetime | None:
-        """When the lease expires unless renewed, on the database clock (as of the last
-        acquire or renewal)."""
+        """When the lease expires unless renewed (as of the last renewal), database clock."""
         return self._expires_at
 
     @property
@@ -469,10 +468,8 @@ class Lease(_base.BaseLock, _ttl.Held):
             raise LockLost(self._name, reason=reason)
 
     def check(self) -> None:
-        """Raise :class:`pglock.LockLost` if the lease is lost or its deadline has passed.
-
-        No SQL: this is the client's own knowledge (keepalive results and the monotonic
-        deadline), so it is cheap enough to call in a loop.
+        """Raise :class:`pglock.LockLost` if the lease is lost or its deadline has passed. No
+        SQL (the client's own knowledge): cheap enough to call in a loop.
 
         :raises RuntimeError: the lease is not held (never acquired, or released).
         """
@@ -509,8 +506,7 @@ class Lease(_base.BaseLock, _ttl.Held):
             with self._lock:
                 self._ttl = new_ttl
             self._renewed(gen, sent, new_ttl, Renewal._make(rows[0]).expires_at, received)
-            # Lost meanwhile (the keepalive's deadline, a late answer): say so, never return
-            # as if renewed.
+            # Lost meanwhile (the keepalive's deadline, a late answer): never return as renewed.
             self._ensure_valid()
 
     def guard(self, conn: object) -> None:
@@ -652,19 +648,17 @@ def lease(
     :param options: keyword-only, the same for ``Locker.lease`` (``LeaseOptions``):
 
         * ``ttl`` (default 30): seconds the lease lives without renewal (``0 < ttl <= 86400``);
-        * ``timeout`` (default None): ``None`` waits until granted; ``0`` tries once; ``> 0``
-          waits that long;
+        * ``timeout`` (default None): ``None`` waits until granted, ``0`` tries once;
         * ``metadata`` (default None): any JSON value stored with the lease (at most 64 KiB);
         * ``keepalive`` (default True): renew in pglock's background thread at about ``ttl/3``;
         * ``holder`` (default: ``host:pid:random``, unique per handle): the holder id; the same
           holder re-acquiring a live lease keeps its token. One handle per holder id and lease
           in a process: a second one's acquire raises :class:`pglock.errors.HolderInUse`;
-        * ``on_lost`` (default None): called as ``on_lost(lease)`` when the lease is lost (in
-          pglock's thread);
-        * ``resume`` (default False): re-attach to a live lease of ``holder`` (after a restart)
-          instead of acquiring; :class:`pglock.LockLost` if there is none;
-        * ``durable`` (default True): False sends grants and renewals with
-          ``synchronous_commit = off`` (faster; a server crash can forget the last grants).
+        * ``on_lost`` (default None): ``on_lost(lease)`` runs in pglock's thread when it is lost;
+        * ``resume`` (default False): re-attach to a live lease of ``holder`` instead of
+          acquiring; :class:`pglock.LockLost` if there is none;
+        * ``durable`` (default True): False commits grants and renewals with
+          ``synchronous_commit = off`` (a server crash can forget the last grants).
     :raises TypeError, ValueError: bad arguments, before any SQL.
 
     Example::

@@ -39,16 +39,11 @@ Closed = Callable[[], bool]
 
 @dataclass(frozen=True)
 class Rows:
-    """One kind of TTL row, as the shared client needs to know it.
+    """One kind of TTL row, as the shared client needs to know it."""
 
-    :ivar user: ``"lease"``, ``"semaphore"``: the ``pglock.<user>`` logger, the messages.
-    :ivar channel: the NOTIFY channel of its releases in a schema (the payload is the name).
-    :ivar look_again_on_subscribe: a wait queue looks once more when it first has a listener,
-        not only when the LISTEN connection is new (as the semaphore client always has).
-    """
-
-    user: str
-    channel: Callable[[str], str]
+    user: str  # "lease", "semaphore": the pglock.<user> logger, the messages
+    channel: Callable[[str], str]  # the NOTIFY channel of its releases in a schema
+    #: A wait queue looks once more when it first has a listener, not only on a new LISTEN.
     look_again_on_subscribe: bool = False
 
     @property
@@ -62,14 +57,10 @@ class _Queue:
     __slots__ = ("holder", "listening", "tickets", "version")
 
     def __init__(self) -> None:
-        #: One condition per waiter (on the waiters' lock), the head first.
-        self.tickets: deque[threading.Condition] = deque()
-        #: Bumped on every event that may have freed the name: a NOTIFY, a local release.
-        self.version = 0
-        #: A grant of this process that holds the name (the head waits for it locally).
-        self.holder: Any = None
-        #: The head has had a listener (see :attr:`Rows.look_again_on_subscribe`).
-        self.listening = False
+        self.tickets: deque[threading.Condition] = deque()  # one per waiter, the head first
+        self.version = 0  # bumped by every event that may have freed the name
+        self.holder: Any = None  # a grant of this process on the name: the head waits for it
+        self.listening = False  # the head has had a listener (Rows.look_again_on_subscribe)
 
     def wake_head(self) -> None:
         self.version += 1
@@ -312,12 +303,9 @@ def wait(
     ``closed()``: the grant of the first ``attempt`` that gives one, or None.
 
     The waiters of one queue (``owner`` None: the name's, shared) go first in, first out; only
-    the head calls ``attempt(seconds left)``. After a refusal it LISTENs for the releases of
-    ``rows`` on the source and schema, and sleeps until a NOTIFY for the name, a local
-    release, the instant the attempt named, or a jittered fallback poll. While a grant of this
-    process holds the name, ``local_wake(holder)`` says when to look again (None: now) and
-    nothing is polled.
-    """
+    the head calls ``attempt(seconds left)``, and after a refusal sleeps until a NOTIFY, a local
+    release, the instant the attempt named or a fallback poll. While a grant of this process
+    holds the name, ``local_wake(holder)`` says when to look again (None: now)."""
     key = (source.key, schema, rows.channel(schema), name)
     q, ticket = waiters.enqueue(key, owner)
     try:
