@@ -49,9 +49,8 @@ _prune_at = 1024
 
 
 def claim(handle: Claimant, *, resume: bool, in_use: Callable[[], Exception]) -> None:
-    """Make ``handle`` the one of its claim key, before any SQL; raise ``in_use()`` if another
-    handle is acquiring, holding (live) or releasing it. A lost handle is superseded (its
-    release sends nothing); so is a live one that ``handle`` resumes (it is then lost)."""
+    """Make ``handle`` the one of its claim key, before any SQL, or raise ``in_use()``. A lost
+    handle is superseded (its release sends nothing); so is a live one that ``handle`` resumes."""
     superseded: Claimant | None = None
     with lock:
         other_ref = _claims.get(handle._claim_key)

@@ -16,35 +16,16 @@ from datetime import datetime
 from enum import Enum
 from typing import Any, TypedDict
 
-from . import _base, _claims, _ttl
+from . import _base, _claims, _lease_rows, _ttl
 from ._claims import default_holder
 from ._classify import Deferred
-from ._contract import DEFAULT_SCHEMA, MAX_TTL, lease_channel, validate_schema
+from ._contract import DEFAULT_SCHEMA, lease_channel, validate_schema
 from ._deadline import NoAnswer
 from ._keys import validate_flag, validate_name, validate_timeout
-from ._lease_rows import (
-    LEASES,
-    Due,
-    Grant,
-    LeaseInfo,
-    Released,
-    Renewal,
-    fence,
-    lease_info,
-    list_leases,
-    make_source,
-    renew_many,
-    run_once_more,
-)
+from ._lease_rows import Grant, LeaseInfo, fence, lease_info, list_leases, make_source, renew_many
 from ._lease_rows import run as _run
 from ._source import ANSWER_GRACE, WAIT_CHUNK, Source, short_deadline
-from ._validate import (
-    MAX_HOLDER_BYTES,
-    MAX_METADATA_BYTES,
-    encode_metadata,
-    validate_holder,
-    validate_ttl,
-)
+from ._validate import MAX_METADATA_BYTES, encode_metadata, validate_holder, validate_ttl
 from .errors import HolderInUse, LockLost, LockNotAcquired
 
 if sys.version_info >= (3, 11):
@@ -127,8 +108,6 @@ class Lease(_base.BaseLock, _ttl.Held):
         self._expires_at: datetime | None = None
         self._sent_at = 0.0
         self._deadline = -math.inf
-        self._retry_at: float | None = None
-        self._renewing = False  # guarded by the keepalive's lock
         self._refused: tuple[str | None, datetime | None] | None = None  # (holder, until)
         #: Why the last acquire did not grant, when not refused by a holder (LockNotAcquired).
         self._why_not: str | None = None
@@ -349,11 +328,10 @@ class Lease(_base.BaseLock, _ttl.Held):
 
     def _wait_and_acquire(self, timeout: float | None, closed: _ttl.Closed) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
-        granted = _ttl.wait(
-            LEASES, self._source, self._schema, self._name, None, deadline,
+        return _ttl.wait(
+            _lease_rows.LEASES, self._source, self._schema, self._name, None, deadline,
             self._try_once, self._local_wake, closed,
-        )
-        return granted is not None
+        ) is not None
 
     def _try_once(self, wait: float | None) -> _ttl.Attempt:
         """One attempt of a waiter (the head of this process's queue for the name)."""
@@ -398,7 +376,7 @@ class Lease(_base.BaseLock, _ttl.Held):
                 reason=f"cannot resume: no live lease is held by {self._holder!r} (it expired, "
                 "was released, or another holder has it)",
             )
-        token, acquired_at, expires_at, metadata = Renewal._make(rows[0])
+        token, acquired_at, expires_at, metadata = _lease_rows.Renewal._make(rows[0])
         if received >= sent + self._ttl:
             # Not believed, and not given back either: a later resume can still re-attach.
             self._why_not = "the resume's answer arrived after its ttl had run out"
@@ -431,12 +409,10 @@ class Lease(_base.BaseLock, _ttl.Held):
                 superseded = self._superseded
             if superseded:
                 _ttl.unregister(self)
-                raise LockLost(
-                    self._name,
-                    reason=reason or "another handle of this process took it over",
-                )
+                reason = reason or "another handle of this process took it over"
+                raise LockLost(self._name, reason=reason)
             try:
-                rows, again = run_once_more(
+                rows, again = _lease_rows.run_once_more(
                     self._source, "release", self._schema, (self._name, self._holder, token),
                     deadline=short_deadline(self._ttl),
                 )
@@ -449,7 +425,7 @@ class Lease(_base.BaseLock, _ttl.Held):
                 raise
             finally:
                 _claims.unclaim(self)
-            status, notified = Released._make(rows[0])
+            status, notified = rows[0]  # 'released', 'expired' or 'not_held'; NOTIFY sent
             _ttl.unregister(self, notified=bool(notified))
             if status == "released":
                 logger.debug("released lease %r (token %s)", self._name, token)
@@ -505,7 +481,8 @@ class Lease(_base.BaseLock, _ttl.Held):
                 self._ensure_valid()
             with self._lock:
                 self._ttl = new_ttl
-            self._renewed(gen, sent, new_ttl, Renewal._make(rows[0]).expires_at, received)
+            expires_at = _lease_rows.Renewal._make(rows[0]).expires_at
+            self._renewed(gen, sent, new_ttl, expires_at, received)
             # Lost meanwhile (the keepalive's deadline, a late answer): never return as renewed.
             self._ensure_valid()
 
@@ -551,12 +528,12 @@ class Lease(_base.BaseLock, _ttl.Held):
     def _live(self) -> bool:
         return self._state is _HELD
 
-    def _due(self) -> Due | None:
+    def _due(self) -> _lease_rows.Due | None:
         with self._lock:
             if self._state is not _HELD or self._token is None:
                 return None
-            return Due(self._name, self._holder, self._token, self._ttl, self._gen,
-                       self._deadline, self._durable)
+            return _lease_rows.Due(self._name, self._holder, self._token, self._ttl, self._gen,
+                                   self._deadline, self._durable)
 
     def _renewed(
         self, gen: int, sent: float, ttl: float, expires_at: datetime, received: float
@@ -672,9 +649,7 @@ def lease(
 
 
 __all__ = [
-    "MAX_HOLDER_BYTES",
     "MAX_METADATA_BYTES",
-    "MAX_TTL",
     "Lease",
     "LeaseInfo",
     "lease",

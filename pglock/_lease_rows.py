@@ -48,14 +48,6 @@ class Renewal(NamedTuple):
     metadata: Any
 
 
-class Renewed(NamedTuple):
-    """An ``extend_many`` row: a lease renewed."""
-
-    name: str
-    token: int
-    expires_at: datetime
-
-
 class Due(NamedTuple):
     """A held lease, as its renewal needs it."""
 
@@ -66,14 +58,6 @@ class Due(NamedTuple):
     gen: int
     deadline: float
     durable: bool
-
-
-class Released(NamedTuple):
-    """A ``release`` row: ``released``, ``expired`` or ``not_held``, and whether it notified
-    waiters."""
-
-    status: str
-    notified: bool
 
 
 @dataclass(frozen=True)
@@ -142,7 +126,7 @@ def renew_many(
         [d.ttl for d in due], any(d.durable for d in due), wait,
     )
     rows = run(source, "extend_many", schema, params, timeout=wait, deadline=sent + wait)
-    return {(r.name, r.token): r.expires_at for r in map(Renewed._make, rows)}
+    return {(name, token): expires_at for name, token, expires_at in rows}
 
 
 def make_source(source: object) -> Source:
@@ -218,11 +202,8 @@ def fence(
     conn: object, source: Source, schema: str, name: str, holder: str, token: int | None, ttl: float
 ) -> bool:
     """``guard()``'s statement in the caller's transaction: whether ``holder`` holds ``name``
-    with ``token`` (its row locked until that transaction ends).
-
-    :raises pglock.InvalidConnectionState: no open transaction to lock in, or the
-        transaction does not see a lease that its source says is held.
-    """
+    with ``token`` (its row locked until that transaction ends). InvalidConnectionState: no
+    open transaction to lock in, or it does not see a lease that its source says is held."""
     target = _conn.resolve(conn, "Lease.guard")
     pg = target.conn
     status = _conn.check_usable(pg)

@@ -133,12 +133,9 @@ class _Listener:
 
 
 class _Waiters:
-    """The process's wait queues and NOTIFY listeners.
-
-    A queue is keyed by ``(source key, schema, channel, name)`` and an owner: leases share one
-    queue per name (owner None), each semaphore object has its own. A NOTIFY wakes the head
-    of every queue of its name; a local release pokes one queue.
-    """
+    """The process's wait queues and NOTIFY listeners. A queue is keyed by ``(source key,
+    schema, channel, name)`` and an owner: leases share one queue per name (owner None), each
+    semaphore object has its own. A NOTIFY wakes the head of every queue of its name."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -228,8 +225,7 @@ class _Waiters:
 
     def ended(self, key: Key, holder: object, *, notified: bool) -> None:
         """A grant of this process on the name of the shared queue ``key`` ended: its waiters
-        look again, unless the release sent a NOTIFY that a healthy listener will bring (the
-        next one would ask twice after the handoff)."""
+        look again, unless a healthy listener will bring the release's NOTIFY."""
         with self.lock:
             q = self.queues.get(key, {}).get(None)
             if q is None:
