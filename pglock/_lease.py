@@ -488,9 +488,8 @@ class Lease(_base.BaseLock, _ttl.Held):
 
     def guard(self, conn: object) -> None:
         """Fence a write: in the caller's open transaction on the lease's database, check that
-        this holder still holds the lease with this token and that it has not expired, and lock
-        the lease row until that transaction ends. A takeover by another holder waits for the
-        commit or rollback; renewals go on.
+        this holder still holds the lease with this token, unexpired, and lock the lease row
+        until that transaction ends (docs/leases.md, "Fencing with guard()").
 
         :param conn: a psycopg ``Connection`` (a non-autocommit one begins its transaction
             here), or a SQLAlchemy ``Connection``/ORM ``Session`` on the psycopg driver.
@@ -648,11 +647,4 @@ def lease(
     return Lease(source, name, schema=schema, **options)
 
 
-__all__ = [
-    "MAX_METADATA_BYTES",
-    "Lease",
-    "LeaseInfo",
-    "lease",
-    "lease_info",
-    "list_leases",
-]
+__all__ = ["MAX_METADATA_BYTES", "Lease", "LeaseInfo", "lease", "lease_info", "list_leases"]

@@ -140,8 +140,7 @@ class _Waiters:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.queues: dict[Key, dict[object, _Queue]] = {}
-        #: Tickets waiting, per (source key, schema, channel): is its listener still needed?
-        self.waiting: Counter[Key] = Counter()
+        self.waiting: Counter[Key] = Counter()  # tickets per listener key: is it still needed?
         self.listeners: dict[Key, _Listener] = {}
         self.listener_create = threading.Lock()
         self.rng = random.Random()
@@ -227,8 +226,7 @@ class _Waiters:
         """A grant of this process on the name of the shared queue ``key`` ended: its waiters
         look again, unless a healthy listener will bring the release's NOTIFY."""
         with self.lock:
-            q = self.queues.get(key, {}).get(None)
-            if q is None:
+            if (q := self.queues.get(key, {}).get(None)) is None:
                 return
             if q.holder is holder:
                 q.holder = None
@@ -246,12 +244,10 @@ class _Waiters:
         """The (source, schema) listener of ``rows``, started if needed: (listener, created
         now). A new one must be listening by ``deadline``; past it, waiters poll instead."""
         key = (source.key, schema, rows.channel(schema))
-        lst = self.listeners.get(key)
-        if lst is not None:
+        if (lst := self.listeners.get(key)) is not None:
             return lst, False
         with self.listener_create:  # one connect at a time; the others find it made
-            lst = self.listeners.get(key)
-            if lst is not None:
+            if (lst := self.listeners.get(key)) is not None:
                 return lst, False
             try:
                 lst = _Listener(rows, source, schema, deadline)
@@ -278,8 +274,7 @@ class _Waiters:
 
     def retire(self, lkey: Key) -> None:
         """Stop the listener of ``lkey`` now, if nobody waits."""
-        lst = self.listeners.get(lkey)
-        if lst is not None:
+        if (lst := self.listeners.get(lkey)) is not None:
             self.stop_listener_if_idle(lst, idle_for=None)
 
     def fallback(self, lst: _Listener | None, polls: int) -> float:
@@ -292,8 +287,7 @@ class _Waiters:
 def wait(
     rows: Rows, source: Source, schema: str, name: str, owner: object, deadline: float | None,
     attempt: Callable[[float | None], Attempt],
-    local_wake: Callable[[Any], float | None] | None = None,
-    closed: Closed = lambda: False,
+    local_wake: Callable[[Any], float | None] | None = None, closed: Closed = lambda: False,
 ) -> Any:
     """Wait for a grant of ``name`` until ``deadline`` (monotonic; None: forever) or until
     ``closed()``: the grant of the first ``attempt`` that gives one, or None.
