@@ -29,15 +29,12 @@ def default_holder() -> str:
 class Claimant(Protocol):
     """What the registry asks of a handle (a :class:`pglock.Lease`)."""
 
-    #: (database, schema, name, holder id)
-    _claim_key: tuple[Any, ...]
+    _claim_key: tuple[Any, ...]  # (database, schema, name, holder id)
     _lock: threading.Lock
-    #: Another handle took the claim over: a release of this one sends nothing.
-    _superseded: bool
+    _superseded: bool  # another handle took the claim over: a release of this one sends nothing
 
     def _claim_state(self) -> tuple[bool, bool]:
-        """With its ``_lock`` held: (acquiring, holding or releasing it and not known lost;
-        holding it)."""
+        """With its ``_lock`` held: (live: acquiring, holding or releasing, not lost; holding)."""
         ...
 
     def _lose(self, reason: str) -> None: ...
@@ -47,15 +44,13 @@ class Claimant(Protocol):
 _claims: dict[tuple[Any, ...], weakref.ref[Any]] = {}
 #: Guards the claims (and, taken first, a release's change of state: see Lease.release).
 lock = threading.Lock()
-#: Prune the claims of collected handles (a lost lease dropped without a release) when there
-#: are more than this many; it doubles with the live ones.
+#: Prune the claims of collected handles (lost leases never released) past this many.
 _prune_at = 1024
 
 
 def claim(handle: Claimant, *, resume: bool, in_use: Callable[[], Exception]) -> None:
-    """Make ``handle`` the one of its claim key, before any SQL; raise ``in_use()`` if another
-    handle is acquiring, holding (live) or releasing it. A lost handle is superseded (its
-    release sends nothing); so is a live one that ``handle`` resumes (it is then lost)."""
+    """Make ``handle`` the one of its claim key, before any SQL, or raise ``in_use()``. A lost
+    handle is superseded (its release sends nothing); so is a live one that ``handle`` resumes."""
     superseded: Claimant | None = None
     with lock:
         other_ref = _claims.get(handle._claim_key)

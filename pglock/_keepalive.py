@@ -27,28 +27,20 @@ _WORKER_IDLE = 30.0
 
 
 class Held:
-    """A grant that the keepalive renews: a lease handle, a semaphore permit.
-
-    A subclass sets the fields below (``_lock`` guards them; ``_group`` is ``(source key,
-    schema)``, its renewal worker; ``_sent_at``: its last successful grant or renewal was sent
-    then, on ``time.monotonic()``; ``_deadline``: it is believed until then; ``_qkey``: the
-    shared wait queue of the name it holds) and implements the three hooks.
-    """
+    """A grant that the keepalive renews (a lease handle, a semaphore permit): a subclass sets
+    the fields below (``_lock`` guards them) and implements the three hooks."""
 
     _lock: threading.Lock
     _source: Source
     _schema: str
-    _group: Key
+    _group: Key  # (source key, schema): its renewal worker
     _ttl: float
-    _sent_at: float
-    _deadline: float
-    _qkey: Key | None = None
-    #: False: nothing renews it (it is lost at its deadline all the same).
-    _keepalive = True
-    #: When to try again after a failed renewal (None: at the usual time).
-    _retry_at: float | None = None
-    #: A renewal of it is in flight (guarded by the keepalive's lock).
-    _renewing = False
+    _sent_at: float  # its last successful grant or renewal was sent then (monotonic)
+    _deadline: float  # it is believed until then
+    _qkey: Key | None = None  # the shared wait queue of the name it holds
+    _keepalive = True  # False: nothing renews it (it is lost at its deadline all the same)
+    _retry_at: float | None = None  # when to try again after a failed renewal
+    _renewing = False  # a renewal of it is in flight (guarded by the keepalive's lock)
 
     def _live(self) -> bool:
         """Held and not known lost (read without the lock by the scheduler)."""
@@ -60,18 +52,14 @@ class Held:
 
     @classmethod
     def _renew_batch(cls: type[H], items: list[H]) -> None:
-        """Renew ``items`` (of this class, one source and schema) in one statement and apply
-        the answer; on a failure, :meth:`_renew_failed`."""
+        """Renew ``items`` (of this class, one group) in one statement; on a failure,
+        :meth:`_renew_failed`."""
         raise NotImplementedError
 
-    def _renew_due(self) -> float:
+    def _renew_at(self, divisor: int = 3) -> float:
+        """When it is due (at ``ttl/3``); ``divisor=6``: when it may share an earlier round."""
         retry = self._retry_at
-        return retry if retry is not None else self._sent_at + self._ttl / 3
-
-    def _renew_soon(self) -> float:
-        # Renew early to share a round: anything past half its interval comes along.
-        retry = self._retry_at
-        return retry if retry is not None else self._sent_at + self._ttl / 6
+        return retry if retry is not None else self._sent_at + self._ttl / divisor
 
     def _renew_failed(self, sent: float) -> None:
         with self._lock:
@@ -90,21 +78,18 @@ class _Worker:
 
 
 class _Keepalive:
-    """The grants held in the process and their renewal: a scheduler thread, which sends
-    nothing (it hands due grants to their group's worker in one batch, and declares a grant
-    lost at its client deadline even while a renewal of it is stuck), and one worker thread per
-    (source, schema), which sends a batch at a time, one statement per kind of grant, without
-    holding up any other group."""
+    """The grants held in the process and their renewal (docs/leases.md, "Keepalive and loss"):
+    a scheduler thread that sends nothing (it hands due grants to their group's worker, and
+    declares a grant lost at its deadline even while a renewal of it is stuck), and one worker
+    thread per (source, schema)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)  # the scheduler sleeps on it
         self.held: set[Held] = set()
         self.thread: threading.Thread | None = None
-        #: When the sleeping scheduler wakes next (-inf while it is awake).
-        self.next_wake = -math.inf
-        #: Renewal workers per (source key, schema).
-        self.workers: dict[Key, _Worker] = {}
+        self.next_wake = -math.inf  # when the sleeping scheduler wakes next (-inf: it is awake)
+        self.workers: dict[Key, _Worker] = {}  # renewal workers per (source key, schema)
 
     def register(self, item: Held) -> None:
         with self.lock:
@@ -115,7 +100,7 @@ class _Keepalive:
                 )
                 self.next_wake = -math.inf
                 self.thread.start()
-            elif min(item._renew_due(), item._deadline) < self.next_wake:
+            elif min(item._renew_at(), item._deadline) < self.next_wake:
                 # Only when the new grant is due before the thread's next wake-up: a stream of
                 # acquires must not make it rescan every held grant each time.
                 self.cond.notify()
@@ -143,8 +128,8 @@ class _Keepalive:
                 if not lost:
                     if batches:
                         continue  # look again: the grants handed out are no longer due
-                    # Look up at least every few seconds, so that registering a grant due later
-                    # than that needs no wake-up (a thread switch per acquire otherwise).
+                    # Look up every few seconds at least: registering a grant due later than that
+                    # needs no wake-up (a thread switch per acquire otherwise).
                     self.next_wake = min(wake_at, now + _KEEPALIVE_TICK)
                     self.cond.wait(max(0.0, self.next_wake - now))
                     self.next_wake = -math.inf  # awake: it rescans before sleeping again
@@ -154,7 +139,7 @@ class _Keepalive:
 
     def _scan(self, now: float) -> tuple[list[Held], dict[Key, list[Held]], float]:
         """With the lock held: the grants past their deadline, the renewal batches due now
-        (marked as renewing), and when to look again."""
+        (marked renewing), and when to look again."""
         lost: list[Held] = []
         wake_at = math.inf
         due_groups: set[Key] = set()
@@ -167,20 +152,15 @@ class _Keepalive:
             wake_at = min(wake_at, item._deadline)
             if not item._keepalive or item._renewing:
                 continue  # a renewal in flight: only its deadline counts
-            due = item._renew_due()
+            due = item._renew_at()
             if now >= due:
                 due_groups.add(item._group)
             else:
                 wake_at = min(wake_at, due)
         batches: dict[Key, list[Held]] = {}
         for item in self.held if due_groups else ():
-            if (
-                item._keepalive
-                and item._group in due_groups
-                and not item._renewing
-                and item._live()
-                and item._renew_soon() <= now < item._deadline
-            ):
+            renewable = item._keepalive and item._group in due_groups and not item._renewing
+            if renewable and item._live() and item._renew_at(6) <= now < item._deadline:
                 item._renewing = True
                 batches.setdefault(item._group, []).append(item)
         return lost, batches, wake_at
@@ -199,8 +179,7 @@ class _Keepalive:
             worker.cond.notify()
 
     def _work(self, group: Key, worker: _Worker) -> None:
-        """A worker's loop: renew its group's batches, one statement per kind of grant; exit
-        after a while without any."""
+        """Renew the group's batches, one statement per kind of grant; exit when idle."""
         while True:
             with self.lock:
                 while not worker.batches:
@@ -227,9 +206,8 @@ class _Keepalive:
 
 
 class _Callbacks:
-    """pglock's thread for the user's callbacks (``on_lost``): never the caller's thread,
-    which may hold a lock the callback takes, nor the keepalive's, which must not wait on them.
-    It exits after a while without any."""
+    """pglock's thread for the user's callbacks (``on_lost``): never the caller's thread, which
+    may hold a lock the callback takes, nor the keepalive's, which must not wait on them."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

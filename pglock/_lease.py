@@ -16,34 +16,16 @@ from datetime import datetime
 from enum import Enum
 from typing import Any, TypedDict
 
-from . import _base, _claims, _ttl
+from . import _base, _claims, _lease_rows, _ttl
 from ._claims import default_holder
-from ._contract import DEFAULT_SCHEMA, MAX_TTL, lease_channel, validate_schema
+from ._classify import Deferred
+from ._contract import DEFAULT_SCHEMA, lease_channel, validate_schema
 from ._deadline import NoAnswer
 from ._keys import validate_flag, validate_name, validate_timeout
-from ._lease_rows import (
-    LEASES,
-    Due,
-    Grant,
-    LeaseInfo,
-    Released,
-    Renewal,
-    fence,
-    lease_info,
-    list_leases,
-    make_source,
-    renew_many,
-    run_once_more,
-)
+from ._lease_rows import Grant, LeaseInfo, fence, lease_info, list_leases, make_source, renew_many
 from ._lease_rows import run as _run
-from ._source import ANSWER_GRACE, WAIT_CHUNK, short_deadline
-from ._validate import (
-    MAX_HOLDER_BYTES,
-    MAX_METADATA_BYTES,
-    encode_metadata,
-    validate_holder,
-    validate_ttl,
-)
+from ._source import ANSWER_GRACE, WAIT_CHUNK, Source, short_deadline
+from ._validate import MAX_METADATA_BYTES, encode_metadata, validate_holder, validate_ttl
 from .errors import HolderInUse, LockLost, LockNotAcquired
 
 if sys.version_info >= (3, 11):
@@ -55,7 +37,6 @@ logger = logging.getLogger("pglock.lease")
 
 #: Wake this much after the holder's expiry, so the server sees it expired.
 _EXPIRY_MARGIN = 0.002
-
 
 
 class State(Enum):
@@ -74,45 +55,24 @@ _NEW, _HELD, _LOST, _RELEASED = State.NEW, State.HELD, State.LOST, State.RELEASE
 shutdown = _ttl.shutdown
 
 
-# --- the public API ----------------------------------------------------------------------------
-
-
 class Lease(_base.BaseLock, _ttl.Held):
-    """A TTL lease on a name, with a fencing token; see :func:`lease`.
+    """A TTL lease on a name, with a fencing token; see :func:`lease` and docs/leases.md.
 
     Thread safety: a ``Lease`` may be shared between threads (``check()``, ``guard()`` and the
     properties are safe from any thread; ``acquire``/``release``/``extend`` are serialized).
-    pglock's keepalive renews it in the background.
 
-    One holder id, one handle: in a process, a second handle of a holder id on a lease (same
-    database, schema and name) is refused with :class:`pglock.errors.HolderInUse` before any
-    SQL, unless the first one's lease was lost; ``resume=True`` takes a live lease over from
-    the first handle, which then reports it lost (docs/leases.md, "Taking a lease").
-
-    ``acquire(blocking=True, timeout=<the lease's timeout>) -> bool`` follows the lock
-    contract (docs/locks.md). It returns True only for a grant whose answer arrived before the
-    grant's client deadline (send time + ``ttl``); a later one is given back, never believed.
-    An acquire that gets no answer by ``timeout + ANSWER_GRACE`` (1 s) returns False. It raises
-    :class:`RuntimeError` when this handle already holds the lease, :class:`HolderInUse`
-    (before any SQL) when another live handle of the process has its holder id, and
-    :class:`pglock.LockLost` for ``resume=True`` (which never waits) when no live lease of the
-    holder exists.
+    ``acquire(blocking=True, timeout=<the lease's timeout>) -> bool`` follows the lock contract
+    (docs/locks.md). It raises :class:`RuntimeError` when this handle already holds the lease,
+    :class:`pglock.errors.HolderInUse` (before any SQL) when another live handle of the process
+    has its holder id, and :class:`pglock.LockLost` for ``resume=True`` when no live lease of
+    the holder exists.
     """
 
     def __init__(
-        self,
-        source: object,
-        name: str,
-        *,
-        ttl: float = 30.0,
-        timeout: float | None = None,
-        metadata: Any = None,
-        keepalive: bool = True,
-        holder: str | None = None,
-        on_lost: Callable[[Lease], object] | None = None,
-        resume: bool = False,
-        durable: bool = True,
-        schema: str = DEFAULT_SCHEMA,
+        self, source: object, name: str, *, ttl: float = 30.0, timeout: float | None = None,
+        metadata: Any = None, keepalive: bool = True, holder: str | None = None,
+        on_lost: Callable[[Lease], object] | None = None, resume: bool = False,
+        durable: bool = True, schema: str = DEFAULT_SCHEMA,
     ) -> None:
         self._name = validate_name(name)
         self._ttl = validate_ttl(ttl)
@@ -132,10 +92,11 @@ class Lease(_base.BaseLock, _ttl.Held):
             if metadata is not None:
                 raise ValueError("resume=True keeps the stored metadata; do not pass metadata")
         self._holder = default_holder() if holder is None else validate_holder(holder)
-        self._source = make_source(source)
-        #: The process's wait queue for the name (see :func:`_ttl.wait`).
-        self._qkey = (self._source.key, self._schema, lease_channel(self._schema), self._name)
-        self._group = (self._source.key, self._schema)
+        self._deferred: Deferred | None = None
+        if isinstance(source, Deferred):  # a Locker's pool: resolved at the first acquire
+            self._deferred = source
+        else:
+            self._bind(make_source(source))
 
         self._op = threading.Lock()  # acquire / release / extend, one at a time
         self._lock = threading.Lock()  # the fields below
@@ -147,19 +108,19 @@ class Lease(_base.BaseLock, _ttl.Held):
         self._expires_at: datetime | None = None
         self._sent_at = 0.0
         self._deadline = -math.inf
-        self._retry_at: float | None = None
-        self._renewing = False  # guarded by the keepalive's lock
         self._refused: tuple[str | None, datetime | None] | None = None  # (holder, until)
-        #: Why the last acquire did not grant, when not refused by a holder (no answer, a
-        #: grant that came too late): for the LockNotAcquired message.
+        #: Why the last acquire did not grant, when not refused by a holder (LockNotAcquired).
         self._why_not: str | None = None
-        #: One live handle per (database, schema, name, holder id) in the process.
-        self._claim_key = (self._source.database, self._schema, self._name, self._holder)
-        #: Another handle took the claim over (resume, or this one was lost): a release of
-        #: this handle sends nothing.
+        #: Another handle took the claim over: a release of this handle sends nothing.
         self._superseded = False
 
-    # -- properties --------------------------------------------------------------------------
+    def _bind(self, source: Source) -> None:
+        self._source = source
+        #: The process's wait queue for the name (see :func:`_ttl.wait`).
+        self._qkey = (source.key, self._schema, lease_channel(self._schema), self._name)
+        self._group = (source.key, self._schema)
+        #: One live handle per (database, schema, name, holder id) in the process.
+        self._claim_key = (source.database, self._schema, self._name, self._holder)
 
     @property
     def name(self) -> str:
@@ -182,9 +143,8 @@ class Lease(_base.BaseLock, _ttl.Held):
 
     @property
     def token(self) -> int | None:
-        """The fencing token of the current grant (None before the first acquire).
-
-        Strictly larger for every new grant of the name; kept by extend and re-acquire."""
+        """The fencing token of the current grant (None before the first acquire): strictly
+        larger for every new grant of the name; kept by extend and re-acquire."""
         return self._token
 
     @property
@@ -194,8 +154,7 @@ class Lease(_base.BaseLock, _ttl.Held):
 
     @property
     def expires_at(self) -> datetime | None:
-        """When the lease expires unless renewed, on the database clock (as of the last
-        acquire or renewal)."""
+        """When the lease expires unless renewed (as of the last renewal), database clock."""
         return self._expires_at
 
     @property
@@ -216,14 +175,10 @@ class Lease(_base.BaseLock, _ttl.Held):
             return self._lost_now()
 
     def _lost_now(self) -> bool:
-        return self._state is _LOST or (
-            self._state is _HELD and time.monotonic() >= self._deadline
-        )
+        return self._state is _LOST or (self._state is _HELD and time.monotonic() >= self._deadline)
 
     def __repr__(self) -> str:
         return f"<pglock.Lease {self._name!r} {self._state.value} token={self._token}>"
-
-    # -- acquire -----------------------------------------------------------------------------
 
     def _acquire(self, timeout: float | None) -> bool:
         waits = self._waiters()
@@ -245,6 +200,9 @@ class Lease(_base.BaseLock, _ttl.Held):
         return granted
 
     def _acquire_now(self, timeout: float | None, closed: _ttl.Closed) -> bool:
+        if self._deferred is not None:
+            self._bind(make_source(self._deferred.resolve()))
+            self._deferred = None
         self._forget_lost()
         _claims.claim(self, resume=self._resume, in_use=self._in_use)
         granted = False
@@ -276,15 +234,11 @@ class Lease(_base.BaseLock, _ttl.Held):
         return self._state in (_HELD, _LOST)
 
     def _not_acquired(self) -> LockNotAcquired:
-        info = ""
-        if self._why_not is not None:
-            info = f": {self._why_not}"
-        elif self._refused is not None and self._refused[0] is not None:
-            info = f": held by {self._refused[0]!r} until {self._refused[1]}"
-        within = "" if self._timeout is None else f" within {self._timeout:.2f} s"
-        return LockNotAcquired(
-            self._name, timeout=self._timeout,
-            message=f"could not acquire lease {self._name!r}{within}{info}",
+        info = self._why_not
+        if info is None and self._refused is not None and self._refused[0] is not None:
+            info = f"held by {self._refused[0]!r} until {self._refused[1]}"
+        return LockNotAcquired.for_names(
+            [self._name], timeout=self._timeout, what="lease", busy=None, detail=info
         )
 
     def _wake(self) -> None:
@@ -305,12 +259,9 @@ class Lease(_base.BaseLock, _ttl.Held):
     def _claim_state(self) -> tuple[bool, bool]:
         return not self._lost_now(), self._state is _HELD
 
-    # -- acquiring ---------------------------------------------------------------------------
-
     def _attempt(self, wait: float | None) -> Grant | None:
-        """One acquire statement, asking the server to wait ``wait`` seconds at most (None:
-        ``WAIT_CHUNK``). Returns its row plus the monotonic send and receive times, or None
-        when it got no answer by ``wait + ANSWER_GRACE`` (it was cut off)."""
+        """One acquire statement, the server waiting ``wait`` s at most (None: ``WAIT_CHUNK``):
+        its row with send and receive times, or None when cut off at ``wait + ANSWER_GRACE``."""
         wait = WAIT_CHUNK if wait is None else min(wait, WAIT_CHUNK)
         sent = time.monotonic()
         try:
@@ -377,11 +328,10 @@ class Lease(_base.BaseLock, _ttl.Held):
 
     def _wait_and_acquire(self, timeout: float | None, closed: _ttl.Closed) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
-        granted = _ttl.wait(
-            LEASES, self._source, self._schema, self._name, None, deadline,
+        return _ttl.wait(
+            _lease_rows.LEASES, self._source, self._schema, self._name, None, deadline,
             self._try_once, self._local_wake, closed,
-        )
-        return granted is not None
+        ) is not None
 
     def _try_once(self, wait: float | None) -> _ttl.Attempt:
         """One attempt of a waiter (the head of this process's queue for the name)."""
@@ -405,8 +355,7 @@ class Lease(_base.BaseLock, _ttl.Held):
     @staticmethod
     def _wake_after(row: Grant | None) -> float:
         """When to try again after an attempt that did not grant: just after the holder's
-        expiry on the server clock, or after a short jittered pause (contention, a grant
-        given back, no answer)."""
+        expiry on the server clock, or after a short jittered pause."""
         if row is not None and not row.granted and row.expires_at and row.server_time:
             left = max(0.0, float((row.expires_at - row.server_time).total_seconds()))
             return row.received + left + _EXPIRY_MARGIN
@@ -427,20 +376,17 @@ class Lease(_base.BaseLock, _ttl.Held):
                 reason=f"cannot resume: no live lease is held by {self._holder!r} (it expired, "
                 "was released, or another holder has it)",
             )
-        token, acquired_at, expires_at, metadata = Renewal._make(rows[0])
+        token, acquired_at, expires_at, metadata = _lease_rows.Renewal._make(rows[0])
         if received >= sent + self._ttl:
             # Not believed, and not given back either: a later resume can still re-attach.
             self._why_not = "the resume's answer arrived after its ttl had run out"
             logger.info("lease %r: %s", self._name, self._why_not)
             return False
         self._metadata = metadata
-        self._granted(
-            Grant(True, self._holder, token, acquired_at, expires_at, None, sent, received)
-        )
+        grant = Grant(True, self._holder, token, acquired_at, expires_at, None, sent, received)
+        self._granted(grant)
         logger.info("resumed lease %r (token %s)", self._name, token)
         return True
-
-    # -- release -----------------------------------------------------------------------------
 
     def release(self) -> None:
         """Release the lease (one statement); waiting holders wake at once.
@@ -463,12 +409,10 @@ class Lease(_base.BaseLock, _ttl.Held):
                 superseded = self._superseded
             if superseded:
                 _ttl.unregister(self)
-                raise LockLost(
-                    self._name,
-                    reason=reason or "another handle of this process took it over",
-                )
+                reason = reason or "another handle of this process took it over"
+                raise LockLost(self._name, reason=reason)
             try:
-                rows, again = run_once_more(
+                rows, again = _lease_rows.run_once_more(
                     self._source, "release", self._schema, (self._name, self._holder, token),
                     deadline=short_deadline(self._ttl),
                 )
@@ -481,7 +425,7 @@ class Lease(_base.BaseLock, _ttl.Held):
                 raise
             finally:
                 _claims.unclaim(self)
-            status, notified = Released._make(rows[0])
+            status, notified = rows[0]  # 'released', 'expired' or 'not_held'; NOTIFY sent
             _ttl.unregister(self, notified=bool(notified))
             if status == "released":
                 logger.debug("released lease %r (token %s)", self._name, token)
@@ -499,13 +443,9 @@ class Lease(_base.BaseLock, _ttl.Held):
                 reason = "it was no longer held by this holder (expired and taken over)"
             raise LockLost(self._name, reason=reason)
 
-    # -- while held --------------------------------------------------------------------------
-
     def check(self) -> None:
-        """Raise :class:`pglock.LockLost` if the lease is lost or its deadline has passed.
-
-        No SQL: this is the client's own knowledge (keepalive results and the monotonic
-        deadline), so it is cheap enough to call in a loop.
+        """Raise :class:`pglock.LockLost` if the lease is lost or its deadline has passed. No
+        SQL (the client's own knowledge): cheap enough to call in a loop.
 
         :raises RuntimeError: the lease is not held (never acquired, or released).
         """
@@ -541,16 +481,15 @@ class Lease(_base.BaseLock, _ttl.Held):
                 self._ensure_valid()
             with self._lock:
                 self._ttl = new_ttl
-            self._renewed(gen, sent, new_ttl, Renewal._make(rows[0]).expires_at, received)
-            # Lost meanwhile (the keepalive's deadline, a late answer): say so, never return
-            # as if renewed.
+            expires_at = _lease_rows.Renewal._make(rows[0]).expires_at
+            self._renewed(gen, sent, new_ttl, expires_at, received)
+            # Lost meanwhile (the keepalive's deadline, a late answer): never return as renewed.
             self._ensure_valid()
 
     def guard(self, conn: object) -> None:
         """Fence a write: in the caller's open transaction on the lease's database, check that
-        this holder still holds the lease with this token and that it has not expired, and lock
-        the lease row until that transaction ends. A takeover by another holder waits for the
-        commit or rollback; renewals go on.
+        this holder still holds the lease with this token, unexpired, and lock the lease row
+        until that transaction ends (docs/leases.md, "Fencing with guard()").
 
         :param conn: a psycopg ``Connection`` (a non-autocommit one begins its transaction
             here), or a SQLAlchemy ``Connection``/ORM ``Session`` on the psycopg driver.
@@ -572,8 +511,6 @@ class Lease(_base.BaseLock, _ttl.Held):
             self._ensure_valid()
             raise LockLost(self._name, reason="guard found it no longer held")
 
-    # -- internals used by the keepalive -----------------------------------------------------
-
     def _ensure_valid(self) -> None:
         with self._lock:
             state, reason, deadline = self._state, self._lost_reason, self._deadline
@@ -590,19 +527,18 @@ class Lease(_base.BaseLock, _ttl.Held):
     def _live(self) -> bool:
         return self._state is _HELD
 
-    def _due(self) -> Due | None:
+    def _due(self) -> _lease_rows.Due | None:
         with self._lock:
             if self._state is not _HELD or self._token is None:
                 return None
-            return Due(self._name, self._holder, self._token, self._ttl, self._gen,
-                       self._deadline, self._durable)
+            return _lease_rows.Due(self._name, self._holder, self._token, self._ttl, self._gen,
+                                   self._deadline, self._durable)
 
     def _renewed(
         self, gen: int, sent: float, ttl: float, expires_at: datetime, received: float
     ) -> None:
-        """A renewal sent at ``sent`` answered at ``received``: move the deadline on, unless
-        the answer came after the current deadline (the lease was lost by then, and
-        ``on_lost`` may have run: a late answer never brings it back)."""
+        """A renewal sent at ``sent`` answered at ``received``: move the deadline on, unless the
+        answer came after it (the lease was lost by then: a late answer never brings it back)."""
         with self._lock:
             if gen != self._gen or self._state is not _HELD:
                 return
@@ -614,9 +550,7 @@ class Lease(_base.BaseLock, _ttl.Held):
                     self._expires_at = expires_at
                 self._retry_at = None
         if late:
-            self._lose(
-                "a renewal's answer arrived after the lease's client deadline", gen=gen
-            )
+            self._lose("a renewal's answer arrived after the lease's client deadline", gen=gen)
 
     @classmethod
     def _renew_batch(cls, leases: list[Lease]) -> None:
@@ -640,8 +574,7 @@ class Lease(_base.BaseLock, _ttl.Held):
             else:
                 lease._lose(
                     "the renewal found it no longer held (expired, taken over, or released "
-                    "elsewhere)",
-                    gen=due.gen,
+                    "elsewhere)", gen=due.gen,
                 )
 
     def _lose(self, reason: str, gen: int | None = None) -> None:
@@ -682,36 +615,26 @@ class LeaseOptions(TypedDict, total=False):
 def lease(
     source: object, name: str, *, schema: str = DEFAULT_SCHEMA, **options: Unpack[LeaseOptions]
 ) -> Lease:
-    """A TTL lease on ``name`` with a fencing token, as a context manager.
-
-    A lease is a row in the pglock schema: it names its holder, expires on its own if the
-    holder dies, carries metadata, and hands out a fencing token that is strictly larger for
-    every new grant. Time is the database's ``clock_timestamp()``.
+    """A TTL lease on ``name`` with a fencing token, as a context manager (docs/leases.md).
 
     :param source: a ``psycopg_pool.ConnectionPool``, a SQLAlchemy ``Engine`` (psycopg driver)
-        or a DSN string. Lease statements run on connections of their own from it (for a DSN,
-        pglock keeps a few connections open and closes them at exit), never in the caller's
-        transaction.
+        or a DSN string; lease statements run on connections of their own from it, never in
+        the caller's transaction.
     :param schema: the pglock schema (default ``pglock``).
     :param options: keyword-only, the same for ``Locker.lease`` (``LeaseOptions``):
 
         * ``ttl`` (default 30): seconds the lease lives without renewal (``0 < ttl <= 86400``);
-        * ``timeout`` (default None): ``None`` waits until granted; ``0`` tries once; ``> 0``
-          waits that long;
+        * ``timeout`` (default None): ``None`` waits until granted, ``0`` tries once;
         * ``metadata`` (default None): any JSON value stored with the lease (at most 64 KiB);
-        * ``keepalive`` (default True): renew in pglock's background thread at about
-          ``ttl/3``;
-        * ``holder`` (default: ``host:pid:random``, unique per handle): the holder id. The same
-          holder re-acquiring a live lease keeps its token. In one process, one handle per
-          holder id and lease: a second one's acquire raises
-          :class:`pglock.errors.HolderInUse`;
-        * ``on_lost`` (default None): called as ``on_lost(lease)`` when the lease is lost (in
-          pglock's thread);
-        * ``resume`` (default False): re-attach to a live lease of ``holder`` (after a restart)
-          instead of acquiring; :class:`pglock.LockLost` if there is none;
-        * ``durable`` (default True): False sends grants and renewals with
-          ``synchronous_commit = off`` (faster; a server crash can forget the last grants: see
-          docs/leases.md).
+        * ``keepalive`` (default True): renew in pglock's background thread at about ``ttl/3``;
+        * ``holder`` (default: ``host:pid:random``, unique per handle): the holder id; the same
+          holder re-acquiring a live lease keeps its token. One handle per holder id and lease
+          in a process: a second one's acquire raises :class:`pglock.errors.HolderInUse`;
+        * ``on_lost`` (default None): ``on_lost(lease)`` runs in pglock's thread when it is lost;
+        * ``resume`` (default False): re-attach to a live lease of ``holder`` instead of
+          acquiring; :class:`pglock.LockLost` if there is none;
+        * ``durable`` (default True): False commits grants and renewals with
+          ``synchronous_commit = off`` (a server crash can forget the last grants).
     :raises TypeError, ValueError: bad arguments, before any SQL.
 
     Example::
@@ -724,13 +647,4 @@ def lease(
     return Lease(source, name, schema=schema, **options)
 
 
-__all__ = [
-    "MAX_HOLDER_BYTES",
-    "MAX_METADATA_BYTES",
-    "MAX_TTL",
-    "Lease",
-    "LeaseInfo",
-    "lease",
-    "lease_info",
-    "list_leases",
-]
+__all__ = ["MAX_METADATA_BYTES", "Lease", "LeaseInfo", "lease", "lease_info", "list_leases"]

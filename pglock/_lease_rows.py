@@ -48,14 +48,6 @@ class Renewal(NamedTuple):
     metadata: Any
 
 
-class Renewed(NamedTuple):
-    """An ``extend_many`` row: a lease renewed."""
-
-    name: str
-    token: int
-    expires_at: datetime
-
-
 class Due(NamedTuple):
     """A held lease, as its renewal needs it."""
 
@@ -66,16 +58,6 @@ class Due(NamedTuple):
     gen: int
     deadline: float
     durable: bool
-
-
-class Released(NamedTuple):
-    """A ``release`` row: ``released``, ``expired`` or ``not_held``, and whether it notified
-    waiters."""
-
-    status: str
-    notified: bool
-
-#: Leases, to the shared TTL-row client.
 
 
 @dataclass(frozen=True)
@@ -111,33 +93,20 @@ def stmt(kind: str, schema: str) -> bytes:
 
 
 def run(
-    source: Source,
-    kind: str,
-    schema: str,
-    params: tuple[Any, ...],
-    timeout: float | None = None,
-    deadline: float | None = None,
+    source: Source, kind: str, schema: str, params: tuple[Any, ...],
+    timeout: float | None = None, deadline: float | None = None,
 ) -> list[tuple[Any, ...]]:
     """Send one lease statement and return its rows (see :func:`run_once_more`)."""
     return run_once_more(source, kind, schema, params, timeout, deadline)[0]
 
 
 def run_once_more(
-    source: Source,
-    kind: str,
-    schema: str,
-    params: tuple[Any, ...],
-    timeout: float | None = None,
-    deadline: float | None = None,
+    source: Source, kind: str, schema: str, params: tuple[Any, ...],
+    timeout: float | None = None, deadline: float | None = None,
 ) -> tuple[list[tuple[Any, ...]], bool]:
     """Send one lease statement; return its rows and whether it was sent a second time
-    (:func:`_ttl.run`, which says what ``timeout`` and ``deadline`` are).
-
-    That is safe: every lease statement is idempotent per holder (an acquire by the same
-    holder re-enters keeping the token; extend and release name the holder and the token), so
-    a first attempt that did commit before its connection died changes nothing but the answer
-    of a release.
-    """
+    (:func:`_ttl.run`). That is safe: every lease statement is idempotent per holder (an
+    acquire by the same holder keeps the token; extend and release name holder and token)."""
     return _ttl.run(
         LEASES, source, kind, schema, stmt(kind, schema), params,
         binary=kind == "extend_many", timeout=timeout, deadline=deadline,
@@ -157,21 +126,15 @@ def renew_many(
         [d.ttl for d in due], any(d.durable for d in due), wait,
     )
     rows = run(source, "extend_many", schema, params, timeout=wait, deadline=sent + wait)
-    return {(r.name, r.token): r.expires_at for r in map(Renewed._make, rows)}
+    return {(name, token): expires_at for name, token, expires_at in rows}
 
 
 def make_source(source: object) -> Source:
-    """Resolve a lease source without sending any SQL.
-
-    :raises TypeError: not a supported source.
-    :raises ValueError: an empty or unparsable DSN string.
-    """
+    """Resolve a lease source without sending any SQL (:func:`pglock._source.make_source`)."""
     return _make_source(source, "lease")
 
 
-def _query(
-    target: object, kind: str, schema: str, params: tuple[Any, ...]
-) -> list[tuple[Any, ...]]:
+def _query(target: object, kind: str, schema: str, params: tuple[Any, ...]) -> _ttl.Result:
     """Run a read-only lease query on a source (pool, engine, DSN) or a caller's connection."""
     api = "lease_info" if kind == "info" else "list_leases"
     if classify(target, HELD | SOURCES, api=api) not in HELD:
@@ -186,10 +149,7 @@ def _query(
     except psycopg.Error as exc:
         if own and not pg.broken:
             pg.rollback()
-        translated = _ttl.translate(exc, pg, schema)
-        if translated is None:
-            raise
-        raise translated from exc
+        _ttl.raise_translated(exc, pg, schema)
     if own:
         pg.commit()  # leave an idle connection idle
     return rows
@@ -239,31 +199,21 @@ def list_leases(
 
 
 def fence(
-    conn: object, source: Source, schema: str, name: str, holder: str, token: int | None,
-    ttl: float,
+    conn: object, source: Source, schema: str, name: str, holder: str, token: int | None, ttl: float
 ) -> bool:
     """``guard()``'s statement in the caller's transaction: whether ``holder`` holds ``name``
-    with ``token`` (its row locked until that transaction ends).
-
-    :raises pglock.InvalidConnectionState: no open transaction to lock in, or the
-        transaction does not see a lease that its source says is held.
-    """
+    with ``token`` (its row locked until that transaction ends). InvalidConnectionState: no
+    open transaction to lock in, or it does not see a lease that its source says is held."""
     target = _conn.resolve(conn, "Lease.guard")
     pg = target.conn
     status = _conn.check_usable(pg)
     if status == TransactionStatus.IDLE and pg.autocommit:
-        raise InvalidConnectionState(
-            "guard() needs the caller's open transaction: this connection is in autocommit "
-            "mode, so the row lock would end at once; use 'with conn.transaction():'"
-        )
+        raise InvalidConnectionState.no_transaction("guard()", "the row lock would end at once")
     _conn.ensure_sqlalchemy_transaction(target)
     try:
         found = _conn.fetch(pg, stmt("guard", schema), (name, holder, token))
     except psycopg.Error as exc:
-        translated = _ttl.translate(exc, pg, schema)
-        if translated is None:
-            raise
-        raise translated from exc
+        _ttl.raise_translated(exc, pg, schema)
     if found[0] and found[0][0][0]:
         return True
     # Ask the lease's own source before declaring a loss: a connection to another database

@@ -238,7 +238,7 @@ class Locker:
         """
         options.setdefault("timeout", self._timeout)
         full = self.full_name(name)
-        return _lease(self._connection_source(), full, schema=self._schema, **options)
+        return _lease(self._deferred, full, schema=self._schema, **options)
 
     def rwlock(self, name: str, **options: Unpack[RWLockOptions]) -> RWLock:
         """A read-write lock on the namespaced ``name`` over this Locker's pool: see

@@ -1,7 +1,5 @@
-"""The TTL-row client that leases and semaphores share: their statements on a source (sent
-again at READ COMMITTED when the session's isolation or timeouts fail them), and where a grant
-is registered for renewal (:mod:`._keepalive`) and waited for (:mod:`._waiting`).
-"""
+"""The TTL-row client that leases and semaphores share: their statements on a source, and where
+a grant is registered for renewal (:mod:`._keepalive`) and waited for (:mod:`._waiting`)."""
 
 from __future__ import annotations
 
@@ -9,7 +7,7 @@ import atexit
 import logging
 import random
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -28,17 +26,13 @@ logger = logging.getLogger("pglock.ttl")
 #: REPEATABLE READ or SERIALIZABLE default isolation) is sent again, at READ COMMITTED.
 _RETRIES = 5
 _BEGIN, _COMMIT, _ROLLBACK = (
-    s.encode()
-    for s in (_sql.LEASE_RETRY_BEGIN, _sql.LEASE_RETRY_COMMIT, _sql.LEASE_RETRY_ROLLBACK)
+    s.encode() for s in (_sql.LEASE_RETRY_BEGIN, _sql.LEASE_RETRY_COMMIT, _sql.LEASE_RETRY_ROLLBACK)
 )
 
 Result = list[tuple[Any, ...]]
 Query = bytes | sql.Composed
 
 __all__ = ["Attempt", "Closed", "Held", "Rows", "call_soon", "wait", "wake"]
-
-
-# --- statements ----------------------------------------------------------------------------------
 
 
 def run(
@@ -48,14 +42,11 @@ def run(
 ) -> tuple[Result, bool]:
     """Send one statement of ``rows`` in autocommit on a connection of its own from ``source``;
     return the rows of its last row-returning statement and whether it was sent a second time
-    because its connection died under it (:meth:`Source.run_once_more`: it must be safe to).
+    (:meth:`Source.run_once_more`, which says what ``kind``, ``timeout`` and ``deadline`` are).
 
-    :param kind: ``"acquire"``, ``"extend_many"``, ...: for the log and the messages.
     :param params: of one statement, sent again at READ COMMITTED when the session's own
         timeouts or isolation level fail it. None: ``query`` is a batch with its values as
         literals and its own ``BEGIN ...; COMMIT``, sent as it is.
-    :param timeout: the longest wait for a pool connection.
-    :param deadline: the ``time.monotonic()`` instant it is cut off at (:class:`NoAnswer`).
     :raises pglock.SchemaNotInstalled: the schema's objects are missing.
     """
     return source.run_once_more(
@@ -86,10 +77,7 @@ def _execute(
             raise
         return results[-1] if results else []
     except psycopg.Error as exc:
-        translated = translate(exc, conn, schema)
-        if translated is None:
-            raise
-        raise translated from exc
+        raise_translated(exc, conn, schema)
     finally:
         if restore and not (conn.closed or conn.broken):
             try:
@@ -109,16 +97,14 @@ def _with_retries(
                 return _conn.fetch(conn, query, params, binary=binary)[0]
             return _read_committed(conn, rows, query, params, binary)
         except (pg_errors.QueryCanceled, pg_errors.LockNotAvailable):
-            # The session's own statement_timeout or lock_timeout (ALTER ROLE app SET ...) must
-            # not end a wait of pglock's: sent again with them off, and so from now on on this
-            # connection. With none set it was a cancel, which stands.
+            # The session's own statement_timeout or lock_timeout (ALTER ROLE ... SET) must not
+            # end pglock's wait: sent again with them off, from now on. With none it was a cancel.
             if attempt or state.session_timeouts or not _has_session_timeouts(conn):
                 raise
             state.session_timeouts = True
         except (pg_errors.SerializationFailure, pg_errors.DeadlockDetected) as exc:
             # The functions are written for READ COMMITTED; under a stricter default isolation
-            # concurrent statements fail this way, and could fail every time under contention.
-            # Each is its own transaction, rolled back whole: sent again at READ COMMITTED.
+            # they can fail this way every time under contention: sent again at READ COMMITTED.
             if attempt == _RETRIES or conn.info.transaction_status != TransactionStatus.IDLE:
                 raise
             rows.log.debug(
@@ -133,8 +119,7 @@ def _with_retries(
 def _read_committed(
     conn: psycopg.Connection[Any], rows: Rows, query: Query, params: tuple[Any, ...], binary: bool
 ) -> Result:
-    """``query`` in an explicit READ COMMITTED transaction, the session's timeouts off: three
-    round trips, only after a failure at the default level or on a session with timeouts."""
+    """``query`` in an explicit READ COMMITTED transaction, the session's timeouts off."""
     _conn.fetch(conn, _BEGIN)
     try:
         found = _conn.fetch(conn, query, params, binary=binary)[0]
@@ -152,19 +137,20 @@ def _has_session_timeouts(conn: psycopg.Connection[Any]) -> bool:
 
 
 def _rollback(conn: psycopg.Connection[Any]) -> None:
-    if not (conn.closed or conn.broken) and (
-        conn.info.transaction_status != TransactionStatus.IDLE
-    ):
+    if not (conn.closed or conn.broken) and conn.info.transaction_status != TransactionStatus.IDLE:
         try:
             _conn.fetch(conn, _ROLLBACK)
         except psycopg.Error:
             logger.debug("rolling back a failed statement failed", exc_info=True)
 
 
-def translate(exc: psycopg.Error, conn: psycopg.Connection[Any], schema: str) -> Exception | None:
-    """The pglock error for a Postgres error of a TTL-row statement (a missing schema, an
-    exhausted token sequence; see :func:`pglock._conn.translate`), or None."""
-    return _conn.translate(exc, _conn.Context(schema=schema, waits=False), conn)
+def raise_translated(exc: psycopg.Error, conn: psycopg.Connection[Any], schema: str) -> NoReturn:
+    """Raise the pglock error for a TTL-row statement's ``exc`` (a missing schema, an exhausted
+    token sequence: :func:`pglock._conn.translate`) from it, or ``exc`` itself."""
+    translated = _conn.translate(exc, _conn.Context(schema=schema, waits=False), conn)
+    if translated is None:
+        raise exc
+    raise translated from exc
 
 
 def register(item: Held) -> None:
@@ -183,9 +169,8 @@ def unregister(item: Held, *, notified: bool = False) -> None:
 
 
 def shutdown() -> None:
-    """Close what pglock opened for leases and semaphores in this process: the NOTIFY
-    listeners and the connections kept per DSN string. Runs at exit; grants still held are not
-    released (they expire). Later calls open what they need again."""
+    """Close the NOTIFY listeners and the connections kept per DSN string (at exit too); grants
+    still held are not released (they expire). Later calls open what they need again."""
     _waiting.stop_listeners()
     close_dsn_sources()
 

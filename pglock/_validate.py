@@ -1,7 +1,5 @@
-"""Validation of the values leases and semaphores store: TTLs, holder ids, metadata.
-
-Every check runs before any SQL is sent, and says what was wrong and what is accepted.
-"""
+"""Validation of the values leases and semaphores store (TTLs, holder ids, metadata), before
+any SQL: each error says what was wrong and what is accepted."""
 
 from __future__ import annotations
 
@@ -18,25 +16,23 @@ MAX_HOLDER_BYTES = 256
 
 
 def validate_ttl(
-    ttl: object,
-    what: str = "ttl",
-    hint: str = "keep a long job's lease alive with keepalive or extend()",
+    ttl: object, hint: str = "keep a long job's lease alive with keepalive or extend()"
 ) -> float:
     """A TTL in seconds: a finite number ``0 < ttl <= MAX_TTL`` (not a bool); ``hint`` says
     what to do instead of a longer one."""
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
-        raise TypeError(f"{what} must be a number of seconds, not {type(ttl).__name__}")
+        raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
     try:
         value = float(ttl)
     except OverflowError:
         value = math.inf
     if math.isnan(value):
-        raise ValueError(f"{what} must be a number of seconds, not NaN")
+        raise ValueError("ttl must be a number of seconds, not NaN")
     if value <= 0:
-        raise ValueError(f"{what} must be > 0 seconds, got {ttl!r}")
+        raise ValueError(f"ttl must be > 0 seconds, got {ttl!r}")
     if math.isinf(value) or value > MAX_TTL:
         raise ValueError(
-            f"{what} must be at most {MAX_TTL:.0f} seconds (one day), got {ttl!r}; {hint}"
+            f"ttl must be at most {MAX_TTL:.0f} seconds (one day), got {ttl!r}; {hint}"
         )
     return value
 
@@ -71,9 +67,7 @@ def encode_metadata(metadata: object) -> str | None:
     _check_json_strings(metadata)
     size = len(text.encode("utf-8"))
     if size > MAX_METADATA_BYTES:
-        raise ValueError(
-            f"metadata must be at most {MAX_METADATA_BYTES} bytes of JSON, got {size}"
-        )
+        raise ValueError(f"metadata must be at most {MAX_METADATA_BYTES} bytes of JSON, got {size}")
     return text
 
 

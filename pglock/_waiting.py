@@ -39,16 +39,11 @@ Closed = Callable[[], bool]
 
 @dataclass(frozen=True)
 class Rows:
-    """One kind of TTL row, as the shared client needs to know it.
+    """One kind of TTL row, as the shared client needs to know it."""
 
-    :ivar user: ``"lease"``, ``"semaphore"``: the ``pglock.<user>`` logger, the messages.
-    :ivar channel: the NOTIFY channel of its releases in a schema (the payload is the name).
-    :ivar look_again_on_subscribe: a wait queue looks once more when it first has a listener,
-        not only when the LISTEN connection is new (as the semaphore client always has).
-    """
-
-    user: str
-    channel: Callable[[str], str]
+    user: str  # "lease", "semaphore": the pglock.<user> logger, the messages
+    channel: Callable[[str], str]  # the NOTIFY channel of its releases in a schema
+    #: A wait queue looks once more when it first has a listener, not only on a new LISTEN.
     look_again_on_subscribe: bool = False
 
     @property
@@ -62,14 +57,10 @@ class _Queue:
     __slots__ = ("holder", "listening", "tickets", "version")
 
     def __init__(self) -> None:
-        #: One condition per waiter (on the waiters' lock), the head first.
-        self.tickets: deque[threading.Condition] = deque()
-        #: Bumped on every event that may have freed the name: a NOTIFY, a local release.
-        self.version = 0
-        #: A grant of this process that holds the name (the head waits for it locally).
-        self.holder: Any = None
-        #: The head has had a listener (see :attr:`Rows.look_again_on_subscribe`).
-        self.listening = False
+        self.tickets: deque[threading.Condition] = deque()  # one per waiter, the head first
+        self.version = 0  # bumped by every event that may have freed the name
+        self.holder: Any = None  # a grant of this process on the name: the head waits for it
+        self.listening = False  # the head has had a listener (Rows.look_again_on_subscribe)
 
     def wake_head(self) -> None:
         self.version += 1
@@ -142,18 +133,14 @@ class _Listener:
 
 
 class _Waiters:
-    """The process's wait queues and NOTIFY listeners.
-
-    A queue is keyed by ``(source key, schema, channel, name)`` and an owner: leases share one
-    queue per name (owner None), each semaphore object has its own. A NOTIFY wakes the head
-    of every queue of its name; a local release pokes one queue.
-    """
+    """The process's wait queues and NOTIFY listeners. A queue is keyed by ``(source key,
+    schema, channel, name)`` and an owner: leases share one queue per name (owner None), each
+    semaphore object has its own. A NOTIFY wakes the head of every queue of its name."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.queues: dict[Key, dict[object, _Queue]] = {}
-        #: Tickets waiting, per (source key, schema, channel): is its listener still needed?
-        self.waiting: Counter[Key] = Counter()
+        self.waiting: Counter[Key] = Counter()  # tickets per listener key: is it still needed?
         self.listeners: dict[Key, _Listener] = {}
         self.listener_create = threading.Lock()
         self.rng = random.Random()
@@ -237,11 +224,9 @@ class _Waiters:
 
     def ended(self, key: Key, holder: object, *, notified: bool) -> None:
         """A grant of this process on the name of the shared queue ``key`` ended: its waiters
-        look again, unless the release sent a NOTIFY that a healthy listener will bring (the
-        next one would ask twice after the handoff)."""
+        look again, unless a healthy listener will bring the release's NOTIFY."""
         with self.lock:
-            q = self.queues.get(key, {}).get(None)
-            if q is None:
+            if (q := self.queues.get(key, {}).get(None)) is None:
                 return
             if q.holder is holder:
                 q.holder = None
@@ -259,12 +244,10 @@ class _Waiters:
         """The (source, schema) listener of ``rows``, started if needed: (listener, created
         now). A new one must be listening by ``deadline``; past it, waiters poll instead."""
         key = (source.key, schema, rows.channel(schema))
-        lst = self.listeners.get(key)
-        if lst is not None:
+        if (lst := self.listeners.get(key)) is not None:
             return lst, False
         with self.listener_create:  # one connect at a time; the others find it made
-            lst = self.listeners.get(key)
-            if lst is not None:
+            if (lst := self.listeners.get(key)) is not None:
                 return lst, False
             try:
                 lst = _Listener(rows, source, schema, deadline)
@@ -291,8 +274,7 @@ class _Waiters:
 
     def retire(self, lkey: Key) -> None:
         """Stop the listener of ``lkey`` now, if nobody waits."""
-        lst = self.listeners.get(lkey)
-        if lst is not None:
+        if (lst := self.listeners.get(lkey)) is not None:
             self.stop_listener_if_idle(lst, idle_for=None)
 
     def fallback(self, lst: _Listener | None, polls: int) -> float:
@@ -305,19 +287,15 @@ class _Waiters:
 def wait(
     rows: Rows, source: Source, schema: str, name: str, owner: object, deadline: float | None,
     attempt: Callable[[float | None], Attempt],
-    local_wake: Callable[[Any], float | None] | None = None,
-    closed: Closed = lambda: False,
+    local_wake: Callable[[Any], float | None] | None = None, closed: Closed = lambda: False,
 ) -> Any:
     """Wait for a grant of ``name`` until ``deadline`` (monotonic; None: forever) or until
     ``closed()``: the grant of the first ``attempt`` that gives one, or None.
 
     The waiters of one queue (``owner`` None: the name's, shared) go first in, first out; only
-    the head calls ``attempt(seconds left)``. After a refusal it LISTENs for the releases of
-    ``rows`` on the source and schema, and sleeps until a NOTIFY for the name, a local
-    release, the instant the attempt named, or a jittered fallback poll. While a grant of this
-    process holds the name, ``local_wake(holder)`` says when to look again (None: now) and
-    nothing is polled.
-    """
+    the head calls ``attempt(seconds left)``, and after a refusal sleeps until a NOTIFY, a local
+    release, the instant the attempt named or a fallback poll. While a grant of this process
+    holds the name, ``local_wake(holder)`` says when to look again (None: now)."""
     key = (source.key, schema, rows.channel(schema), name)
     q, ticket = waiters.enqueue(key, owner)
     try:

@@ -164,6 +164,16 @@ def test_a_dsn_locker_makes_every_kind_without_io() -> None:
     assert locker._own_pool is None
 
 
+def test_a_dsn_locker_makes_a_lease_without_io_and_acquire_fails() -> None:
+    # Locker.lease opened the Locker's pool when it made the lease; it is opened at acquire().
+    with pglock.Locker("postgresql://nobody@127.0.0.1:1/none?connect_timeout=1") as locker:
+        lease = locker.lease("e", ttl=5, timeout=0)
+        assert not lease.locked and locker._own_pool is None
+        with pytest.raises(psycopg_pool.PoolTimeout):  # the pool cannot connect
+            lease.acquire()
+        assert locker._own_pool is not None and not lease.locked
+
+
 # --- RWLock -----------------------------------------------------------------------------------
 
 
