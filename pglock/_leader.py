@@ -74,16 +74,9 @@ def check_dedicated_source(source: object) -> Kind:
 
 
 def dedicated_conninfo(source: object, **extra: Any) -> str:
-    """A libpq connection string for a connection pglock opens and owns, built from ``source``.
-
-    * a DSN string is used as is;
-    * a ``psycopg_pool.ConnectionPool`` gives its ``conninfo`` and libpq ``kwargs``;
-    * a SQLAlchemy ``Engine`` lends one connection whose effective parameters (including
-      ``connect_args`` and the password) are copied;
-    * a psycopg ``Connection`` gives its parameters (it is not used itself).
-
-    ``extra`` parameters override those of the source.
-    """
+    """A libpq connection string for a connection pglock opens and owns, built from ``source``
+    (a DSN, a pool's ``conninfo`` and ``kwargs``, or the parameters of a connection, an
+    Engine's lent for the purpose), with ``extra`` overriding them."""
     kind = check_dedicated_source(source)
     if kind is Kind.DSN:
         return pg_conninfo.make_conninfo(cast(str, source), **extra)
@@ -157,27 +150,16 @@ class LeaderElection:
     * :meth:`guard`: inside your write transaction, fails unless this candidate still leads,
       and holds off the next leader until that transaction ends.
 
-    Bounds (see docs/leader.md): a new leader acts no sooner than ``takeover_delay`` after it
-    won the lock, and no later than ``check_interval + takeover_delay`` plus a round trip after
-    the old leader's session ended. The old leader's ``is_leader`` reads False within the
-    validity window of its last confirmation; ``on_lost`` runs when the loss is noticed: within
-    ``check_interval`` after its session ended, within ``check_interval + network_timeout``
-    when the server or the network stops answering.
+    How soon a new leader acts and an old one learns it lost: docs/leader.md ("The bounds").
 
     Thread safety: one object may be shared by threads; ``is_leader``, ``term``,
     :meth:`wait_elected` and :meth:`guard` are safe to call from any thread.
     """
 
     def __init__(
-        self,
-        source: object,
-        name: str,
-        *,
-        on_elected: Callable[[], object] | None = None,
-        on_lost: Callable[[], object] | None = None,
-        check_interval: float = 1.0,
-        takeover_delay: float | None = None,
-        network_timeout: float = 5.0,
+        self, source: object, name: str, *, on_elected: Callable[[], object] | None = None,
+        on_lost: Callable[[], object] | None = None, check_interval: float = 1.0,
+        takeover_delay: float | None = None, network_timeout: float = 5.0,
     ) -> None:
         self._name = validate_name(name)
         self._key = key(name)
@@ -402,14 +384,11 @@ class LeaderElection:
     def _open(self) -> None:
         idle = max(1, round(self._network_timeout / 2))
         count = max(1, math.ceil(self._network_timeout) - idle)
-        params: dict[str, Any] = {
-            "keepalives": 1,
-            "keepalives_idle": idle,
-            "keepalives_interval": 1,
-            "keepalives_count": count,
-            "tcp_user_timeout": int(self._network_timeout * 1000),
-        }
-        info = dedicated_conninfo(self._source, **params)
+        user_timeout = int(self._network_timeout * 1000)
+        info = dedicated_conninfo(
+            self._source, keepalives=1, keepalives_idle=idle, keepalives_interval=1,
+            keepalives_count=count, tcp_user_timeout=user_timeout,
+        )
         given = pg_conninfo.conninfo_to_dict(info)
         if "connect_timeout" not in given:
             info = pg_conninfo.make_conninfo(
@@ -419,10 +398,7 @@ class LeaderElection:
             info = pg_conninfo.make_conninfo(info, application_name="pglock-leader")
         conn = psycopg.connect(info, autocommit=True)
         try:
-            _conn.run(
-                conn,
-                _sql.leader_session_setup(idle, 1, count, int(self._network_timeout * 1000)),
-            )
+            _conn.run(conn, _sql.leader_session_setup(idle, 1, count, user_timeout))
             pid, started, in_recovery = _conn.run(conn, _sql.LEADER_SESSION)[0]
             if in_recovery:
                 raise UnsupportedServer(
@@ -597,15 +573,12 @@ def leader(source: object, name: str, **options: Unpack[LeaderOptions]) -> Leade
         dedicated connection per candidate and never uses a pooled one).
     :param options: keyword-only, the same for ``Locker.leader`` (``LeaderOptions``):
 
-        * ``on_elected``, ``on_lost`` (default None): called when this candidate becomes
-          leader and when it stops being leader (see :class:`LeaderElection`);
+        * ``on_elected``, ``on_lost`` (default None): called on becoming and ceasing to be leader;
         * ``check_interval`` (default 1): seconds between checks of the leader's session;
-        * ``takeover_delay`` (default: the validity window, which keeps the old and new
-          leader's ``is_leader`` apart): seconds a new leader waits after winning before it
-          acts;
+        * ``takeover_delay`` (default: the validity window): seconds a new leader waits after
+          winning before it acts;
         * ``network_timeout`` (default 5): seconds of silence after which the connection
-          counts as dead (libpq TCP keepalives and ``tcp_user_timeout``; also set on the
-          server side).
+          counts as dead (TCP keepalives and ``tcp_user_timeout``, on both sides).
     :raises TypeError, ValueError: bad arguments, before any I/O.
 
     Example::

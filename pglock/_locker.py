@@ -1,10 +1,4 @@
-"""``Locker``: the one configured entry point for an application's locks.
-
-It holds a connection source (a pool, an engine, or a DSN for which it opens its own pool at
-the first use), a namespace, a schema and a default timeout, and makes every pooled lock kind
-with them. Its methods take the options of the functions they mirror, through the same
-``TypedDict`` (``PoolLockOptions``, ``LeaseOptions``...), so the two cannot drift.
-"""
+"""``Locker``: the one configured entry point for an application's locks (docs/pools.md)."""
 
 from __future__ import annotations
 
@@ -85,13 +79,8 @@ class Locker:
     """
 
     def __init__(
-        self,
-        source: object,
-        *,
-        namespace: str | None = None,
-        schema: str = "pglock",
-        timeout: float | None = None,
-        pool_kwargs: Mapping[str, Any] | None = None,
+        self, source: object, *, namespace: str | None = None, schema: str = "pglock",
+        timeout: float | None = None, pool_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self._namespace = _validate_namespace(namespace)
         self._schema = validate_schema(schema)
@@ -166,8 +155,7 @@ class Locker:
     # -- the connection source -------------------------------------------------------------
 
     def _connection_source(self) -> object:
-        """The pool or engine to check connections out of (a DSN Locker's own pool is
-        created here, at the first use)."""
+        """The pool or engine to check connections out of (a DSN Locker's own pool opens here)."""
         with self._mutex:
             if self._closed:
                 raise RuntimeError("this Locker is closed")
@@ -282,9 +270,7 @@ class Locker:
         source = self._dsn if self._dsn is not None else self._external
         return LeaderElection(source, self.full_name(name), **options)
 
-    def semaphore(
-        self, name: str, limit: int, **options: Unpack[SemaphoreOptions]
-    ) -> Semaphore:
+    def semaphore(self, name: str, limit: int, **options: Unpack[SemaphoreOptions]) -> Semaphore:
         """A semaphore on the namespaced ``name`` over this Locker's source and schema: see
         :func:`pglock.semaphore`. Needs the pglock schema installed.
 
@@ -296,9 +282,8 @@ class Locker:
             with locker.semaphore("exports", 3):
                 run_export()
         """
-        return Semaphore(
-            self._deferred, self.full_name(name), limit, schema=self._schema, **options
-        )
+        full = self.full_name(name)
+        return Semaphore(self._deferred, full, limit, schema=self._schema, **options)
 
 
 __all__ = ["Locker"]
