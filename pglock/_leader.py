@@ -23,6 +23,8 @@ from . import _advisory, _conn, _sql, _xact
 from ._base import release_after
 from ._classify import Kind, check_driver, classify
 from ._keys import _key, key, validate_name, validate_timeout
+from ._keys import deadline as _deadline
+from ._keys import remaining as _remaining
 from .errors import LockError, LockLost, LockNotAcquired, UnsupportedServer
 
 if TYPE_CHECKING:
@@ -47,8 +49,6 @@ _CONNECT_ONLY = frozenset(
 _MAX_INTERVAL = 3600.0
 
 
-# --- where the dedicated connection comes from ------------------------------------------------
-
 
 #: Where a leader's dedicated connection can take its parameters from (it never uses the
 #: object itself: a leader holds its lock on a connection of its own).
@@ -56,11 +56,8 @@ _DEDICATED = frozenset({Kind.DSN, Kind.POOL, Kind.ENGINE, Kind.CONNECTION})
 
 
 def check_dedicated_source(source: object) -> Kind:
-    """Refuse, before any I/O, a source that :func:`dedicated_conninfo` cannot use.
-
-    :raises TypeError: not a DSN, pool, engine (psycopg driver) or psycopg connection.
-    :raises ValueError: an unparsable DSN.
-    """
+    """Refuse, before any I/O, a source that :func:`dedicated_conninfo` cannot use: TypeError
+    (not a DSN, pool, engine on psycopg, or psycopg connection), ValueError (a bad DSN)."""
     kind = classify(source, _DEDICATED, api="leader election (to copy connection parameters)")
     if kind is Kind.DSN:
         assert isinstance(source, str)
@@ -101,8 +98,6 @@ def _from_connection(conn: psycopg.Connection[Any], extra: dict[str, Any]) -> st
     return pg_conninfo.make_conninfo("", **params)
 
 
-# --- validation -------------------------------------------------------------------------------
-
 
 def _seconds(value: object, what: str, *, minimum: float, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -131,8 +126,6 @@ def validity_window(check_interval: float) -> float:
     half of it, at least 0.25 s and at most 1 s."""
     return check_interval + min(1.0, max(0.25, check_interval / 2))
 
-
-# --- the election -----------------------------------------------------------------------------
 
 
 class LeaderElection:
@@ -194,8 +187,6 @@ class LeaderElection:
         #: When the check now in flight was sent (monotonic), for the watchdog.
         self._inflight_since: float | None = None
 
-    # -- introspection -----------------------------------------------------------------
-
     @property
     def name(self) -> str:
         return self._name
@@ -224,8 +215,6 @@ class LeaderElection:
     def __repr__(self) -> str:
         state = "leader" if self.is_leader else ("candidate" if self._running else "idle")
         return f"<pglock.LeaderElection {self._name!r} {state} term={self._term}>"
-
-    # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> Self:
         """Start campaigning in the background (no-op when already campaigning)."""
@@ -280,8 +269,7 @@ class LeaderElection:
 
         :raises RuntimeError: the election was not started.
         """
-        t = validate_timeout(timeout)
-        deadline = None if t is None else time.monotonic() + t
+        deadline = _deadline(validate_timeout(timeout))
         with self._cond:
             if not self._running:
                 raise RuntimeError("the election is not running: call start() or use 'with'")
@@ -290,12 +278,10 @@ class LeaderElection:
                     return True
                 if not self._running or self._stop.is_set():
                     return False
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                left = _remaining(deadline)
+                if left == 0:
                     return False
-                self._cond.wait(remaining)
-
-    # -- fencing -----------------------------------------------------------------------
+                self._cond.wait(left)
 
     def guard(self, conn: object) -> int:
         """Check, inside the caller's open transaction on ``conn``, that this candidate still
@@ -336,8 +322,6 @@ class LeaderElection:
                 raise LockLost(self._name, reason=f"leadership of term {term} ended")
         return term
 
-    # -- background: campaign and checks -----------------------------------------------
-
     def _run(self) -> None:
         failures = 0
         try:
@@ -373,8 +357,6 @@ class LeaderElection:
 
     def _await_callbacks(self) -> None:
         # On resign, let on_lost finish before the lock goes to the next leader.
-        if threading.current_thread() is self._dispatcher:  # pragma: no cover - defensive
-            return
         with self._cond:
             self._cond.wait_for(
                 lambda: not self._events and not self._in_callback,
@@ -391,9 +373,8 @@ class LeaderElection:
         )
         given = pg_conninfo.conninfo_to_dict(info)
         if "connect_timeout" not in given:
-            info = pg_conninfo.make_conninfo(
-                info, connect_timeout=max(2, math.ceil(self._network_timeout))
-            )
+            connect_timeout = max(2, math.ceil(self._network_timeout))
+            info = pg_conninfo.make_conninfo(info, connect_timeout=connect_timeout)
         if "application_name" not in given:
             info = pg_conninfo.make_conninfo(info, application_name="pglock-leader")
         conn = psycopg.connect(info, autocommit=True)
@@ -492,8 +473,6 @@ class LeaderElection:
         log = logger.info if reason == "resigned" else logger.warning
         log("leadership of %r (term %s) ended: %s", self._name, term, reason)
 
-    # -- background: callbacks and the validity watchdog -------------------------------
-
     def _dispatch(self) -> None:
         tick = min(0.5, self._interval)
         last = time.monotonic()
@@ -509,11 +488,8 @@ class LeaderElection:
                         # check may be waiting in the socket. Give it a fresh allowance.
                         self._inflight_since = now
                     last = now
-                    if (
-                        self._leader
-                        and self._inflight_since is not None
-                        and now - self._inflight_since > self._network_timeout
-                    ):
+                    since = self._inflight_since
+                    if self._leader and since is not None and now - since > self._network_timeout:
                         # The server takes no notice of the check (frozen, or a black hole
                         # that still acknowledges TCP): is_leader is already False (the
                         # validity window); now the term ends, and on_lost runs.
@@ -528,9 +504,8 @@ class LeaderElection:
                     if not self._running:
                         return
                     wait = tick if self._leader else None
-                    if self._leader and self._inflight_since is not None:
-                        due = self._inflight_since + self._network_timeout - now
-                        wait = max(0.001, min(tick, due + 0.001))
+                    if self._leader and since is not None:
+                        wait = max(0.001, min(tick, since + self._network_timeout - now + 0.001))
                     self._cond.wait(wait)
                 self._in_callback = True
             callback = self._on_elected if kind == "elected" else self._on_lost

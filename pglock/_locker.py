@@ -48,28 +48,22 @@ def _validate_namespace(namespace: object) -> str | None:
 class Locker:
     """The one configured entry point for an application's locks.
 
-    ``Locker(source, namespace="billing")`` holds a connection source and settings; each call
-    makes a lock: :meth:`lock` (a session advisory lock on a pooled connection, like
-    :func:`pglock.pool_lock`), :meth:`lease`, :meth:`semaphore`, :meth:`rwlock`,
-    :meth:`singleton` and :meth:`leader`. Each method takes the options of the function it
-    mirrors (one definition for both), with the Locker's namespace, schema and default timeout.
+    ``Locker(source, namespace="billing")`` holds a connection source and settings; each
+    method (:meth:`lock`, :meth:`lease`, :meth:`semaphore`, :meth:`rwlock`, :meth:`singleton`,
+    :meth:`leader`) makes a lock with the options of the function it mirrors (docs/pools.md).
 
-    :param source: a ``psycopg_pool.ConnectionPool``, a SQLAlchemy ``Engine`` (psycopg driver),
-        or a DSN string. For a DSN the Locker creates its own ``ConnectionPool`` at the first
-        use, with ``reset=pglock.reset_connection``, and closes it in :meth:`close`. A pool or
-        engine you pass stays yours: the Locker never closes it.
-    :param namespace: folded into every name: ``locker.lock("x")`` locks ``"<namespace>:x"``,
-        the same lock as ``pg_lock(conn, "<namespace>:x")``. A namespace follows the rules for
-        names and must not contain ``':'``, so two namespaces never share a name.
+    :param source: a ``psycopg_pool.ConnectionPool`` or SQLAlchemy ``Engine`` (psycopg driver),
+        never closed by the Locker, or a DSN string: the Locker then opens its own pool (with
+        ``reset=pglock.reset_connection``) at the first use and closes it in :meth:`close`.
+    :param namespace: folded into every name: ``locker.lock("x")`` locks ``"<namespace>:x"``;
+        it follows the rules for names and must not contain ``':'``.
     :param schema: the schema of the lease table and functions (leases only).
-    :param timeout: the default ``timeout`` of :meth:`lock`, :meth:`lease` and :meth:`rwlock`
-        (``None``: wait).
+    :param timeout: the default ``timeout`` of :meth:`lock`, :meth:`lease` and :meth:`rwlock`.
     :param pool_kwargs: extra keyword arguments for the ``ConnectionPool`` a DSN Locker creates
         (defaults: ``min_size=1``, ``max_size=10``); refused for a pool or engine source.
 
-    No I/O happens in the constructor. Thread safety: a Locker can be shared between threads
-    (its own pool is created once, under a lock); the objects its methods return are each for
-    one thread.
+    No I/O in the constructor. Thread safety: a Locker can be shared between threads; the
+    objects its methods return are each for one thread.
 
     Example::
 
@@ -112,8 +106,6 @@ class Locker:
         # their first acquire; a closed Locker refuses it then.
         self._deferred = Deferred(self._connection_source)
 
-    # -- configuration ---------------------------------------------------------------------
-
     @property
     def namespace(self) -> str | None:
         """The namespace folded into every name, or None."""
@@ -151,8 +143,6 @@ class Locker:
         source = "dsn" if self._dsn is not None else type(self._external).__name__
         closed = " closed" if self._closed else ""
         return f"<pglock.Locker {source} namespace={self._namespace!r}{closed}>"
-
-    # -- the connection source -------------------------------------------------------------
 
     def _connection_source(self) -> object:
         """The pool or engine to check connections out of (a DSN Locker's own pool opens here)."""
@@ -194,14 +184,9 @@ class Locker:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self.close()
 
-    # -- locks -----------------------------------------------------------------------------
-
     def lock(self, names: str | Sequence[str], **options: Unpack[PoolLockOptions]) -> PoolLock:
         """A session advisory lock on a pooled connection: :func:`pglock.pool_lock` with the
         namespace folded into the names, and the Locker's timeout by default.
-
-        ``with locker.lock("invoice:42", timeout=5) as conn:`` yields the connection holding the
-        lock (psycopg ``Connection``, or SQLAlchemy ``Connection`` for an Engine).
 
         :param options: those of :func:`pglock.pool_lock` (``shared``, ``timeout``).
         :raises pglock.LockNotAcquired: not acquired in time (at ``with``).

@@ -68,17 +68,12 @@ def _pool_id(kind: str, source: Any) -> int:
     return id(source.pool) if kind == "sqlalchemy" else id(source)
 
 
-# --- the reset hook ------------------------------------------------------------------------
-
-
 def reset_connection(conn: psycopg.Connection[Any]) -> None:
     """Release every advisory lock a pooled connection still holds: a psycopg_pool reset hook.
 
-    Pass it as ``ConnectionPool(..., reset=pglock.reset_connection)``. One statement releases
-    the session's advisory locks, with a WARNING on ``pglock.pool`` naming leaked keys; a
-    ``pg_lock`` handle that still believed it held one raises :class:`pglock.LockLost` when
-    released. If the statement fails, psycopg_pool discards the connection. Cost and details:
-    docs/pools.md.
+    One statement releases the session's advisory locks, with a WARNING on ``pglock.pool``
+    naming leaked keys; a ``pg_lock`` handle still on one raises :class:`pglock.LockLost`.
+    If it fails, psycopg_pool discards the connection. Cost and details: docs/pools.md.
 
     :raises TypeError: ``conn`` is not a psycopg ``Connection``.
 
@@ -137,9 +132,6 @@ def release_all(
             source, len(leaked), ", ".join(leaked), why,
         )
     return leaked
-
-
-# --- pool_lock -------------------------------------------------------------------------------
 
 
 #: What to use instead, when pool_lock (or a Locker) gets something it cannot check out of.
@@ -265,8 +257,8 @@ class PoolLock(BaseLock):
                 raise SelfDeadlock(n, key=k)
         deadline = _deadline(timeout)
         # An Engine waits for a connection up to its own pool_timeout.
-        psycopg_pool = kind == "psycopg_pool"
-        conn = self._checkout_psycopg(source, timeout) if psycopg_pool else source.connect()
+        pooled = kind == "psycopg_pool"
+        conn = self._checkout_psycopg(source, timeout) if pooled else source.connect()
         if conn is None:
             return False
         with self._mutex:
@@ -361,18 +353,12 @@ class PoolLock(BaseLock):
             _end_transaction(kind, conn, commit=body_ok)
         except BaseException as e:
             errors.append(e)
-        discard = False
         try:
             lock.release()
+            discard = not _release_leftovers(kind, conn, self.names) or not _idle(kind, conn)
         except BaseException as e:
             discard = True
             errors.append(e)
-        else:
-            try:
-                discard = not _release_leftovers(kind, conn, self.names) or not _idle(kind, conn)
-            except BaseException as e:
-                discard = True
-                errors.append(e)
         if discard:
             raw = _raw(kind, conn)
             if raw is not None:  # handles on it learn why, instead of "the connection closed"
@@ -480,14 +466,11 @@ def pool_lock(
 ) -> PoolLock:
     """Check a connection out of a pool, hold a session lock on it, give it back clean.
 
-    ``with pglock.pool_lock(pool, "report:daily", timeout=5) as conn:`` checks a connection
-    out, takes the lock with :func:`pglock.pg_lock` and runs the body with the connection (the
-    psycopg ``Connection``, or the SQLAlchemy ``Connection`` for an ``Engine``). At the exit
-    the body's transaction is committed (rolled back if it raised), the lock released and the
-    connection returned; when the release cannot be confirmed the connection is closed or
-    invalidated instead, never pooled holding a lock. A nested ``pool_lock`` of a name this
-    thread holds through the same pool raises :class:`pglock.SelfDeadlock`. The object follows
-    the lock contract (docs/locks.md). Step by step, timeouts and nesting: docs/pools.md.
+    ``with`` yields the connection holding the lock (psycopg's, or SQLAlchemy's for an
+    ``Engine``); at the exit the body's transaction is committed (rolled back if it raised),
+    the lock released and the connection returned, or discarded when the release cannot be
+    confirmed. The object follows the lock contract (docs/locks.md); step by step, timeouts
+    and nesting: docs/pools.md.
 
     :param pool_or_engine: a ``psycopg_pool.ConnectionPool`` (or ``NullConnectionPool``) or a
         SQLAlchemy ``Engine`` using the psycopg driver.
@@ -501,10 +484,8 @@ def pool_lock(
     :raises pglock.LockNotAcquired: not acquired within ``timeout`` (or, for a psycopg_pool
         pool and ``timeout > 0``, no connection within it).
     :raises pglock.UnsupportedServer: a hot standby, or a transaction-mode pooler in between.
-    :raises pglock.SelfDeadlock: this thread already holds one of the names through this
-        pool (at ``with``).
-    :raises pglock.LockLost: at the exit, when the lock was found gone (the connection was
-        discarded).
+    :raises pglock.SelfDeadlock: this thread already holds one of the names through this pool.
+    :raises pglock.LockLost: at the exit, the lock was found gone (the connection discarded).
     :raises TypeError: not a supported pool, engine or driver; bad names or timeout.
 
     Example::

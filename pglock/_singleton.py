@@ -63,8 +63,6 @@ class Singleton(BaseLock):
     def __repr__(self) -> str:
         return f"<pglock.Singleton {self.name!r} timeout={self._timeout}>"
 
-    # -- the lock contract: the object's own hold -------------------------------------------
-
     @property
     def locked(self) -> bool:
         """True while this object holds the lock through :meth:`acquire` or ``with``."""
@@ -104,8 +102,6 @@ class Singleton(BaseLock):
             runs = list(self._runs)
         for hold in runs:
             hold.close()
-
-    # -- the job ---------------------------------------------------------------------------
 
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R | None]:
         if not callable(fn):
