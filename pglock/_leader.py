@@ -1,8 +1,5 @@
-"""Leader election (:class:`LeaderElection`): one leader among many candidates, on a session
-advisory lock held on a connection pglock opens for each candidate.
-
-Why a new leader waits before acting, the validity window and terms: docs/leader.md.
-"""
+"""Leader election (:class:`LeaderElection`) on a session advisory lock held on a connection
+pglock opens for each candidate. The validity window, terms and bounds: docs/leader.md."""
 
 from __future__ import annotations
 
@@ -49,7 +46,6 @@ _CONNECT_ONLY = frozenset(
 _MAX_INTERVAL = 3600.0
 
 
-
 #: Where a leader's dedicated connection can take its parameters from (it never uses the
 #: object itself: a leader holds its lock on a connection of its own).
 _DEDICATED = frozenset({Kind.DSN, Kind.POOL, Kind.ENGINE, Kind.CONNECTION})
@@ -60,9 +56,8 @@ def check_dedicated_source(source: object) -> Kind:
     (not a DSN, pool, engine on psycopg, or psycopg connection), ValueError (a bad DSN)."""
     kind = classify(source, _DEDICATED, api="leader election (to copy connection parameters)")
     if kind is Kind.DSN:
-        assert isinstance(source, str)
         try:
-            pg_conninfo.conninfo_to_dict(source)
+            pg_conninfo.conninfo_to_dict(cast(str, source))
         except psycopg.ProgrammingError as exc:
             raise ValueError(f"invalid connection string: {exc}") from None
     elif kind is Kind.ENGINE:
@@ -84,10 +79,8 @@ def dedicated_conninfo(source: object, **extra: Any) -> str:
         kwargs = {k: v for k, v in (pool.kwargs or {}).items() if k not in _CONNECT_ONLY}
         kwargs.update(extra)
         return pg_conninfo.make_conninfo(pool.conninfo, **kwargs)
-    engine: Any = source
-    with engine.connect() as sa_conn:
-        raw = _conn._driver_connection(sa_conn)
-        return _from_connection(raw, extra)
+    with cast(Any, source).connect() as sa_conn:
+        return _from_connection(_conn._driver_connection(sa_conn), extra)
 
 
 def _from_connection(conn: psycopg.Connection[Any], extra: dict[str, Any]) -> str:
@@ -96,7 +89,6 @@ def _from_connection(conn: psycopg.Connection[Any], extra: dict[str, Any]) -> st
         params["password"] = conn.info.password
     params.update(extra)
     return pg_conninfo.make_conninfo("", **params)
-
 
 
 def _seconds(value: object, what: str, *, minimum: float, allow_zero: bool = False) -> float:
@@ -127,7 +119,6 @@ def validity_window(check_interval: float) -> float:
     return check_interval + min(1.0, max(0.25, check_interval / 2))
 
 
-
 class LeaderElection:
     """One candidate in the election for ``name``; the elected one is the leader.
 
@@ -135,15 +126,9 @@ class LeaderElection:
     and :meth:`resign`. A background thread keeps a dedicated connection, waits for the lock,
     and, once leader, checks the session at least every ``check_interval`` seconds.
 
-    * ``is_leader``: True while this candidate leads *and* a check confirmed it within the
-      validity window (``check_interval`` plus up to 1 s); act as leader only while it is True.
-    * ``term``: a fencing token, larger for every new leader (a 64-bit transaction id).
-    * ``on_elected`` / ``on_lost``: called with no arguments, in order, on a separate thread:
-      every ``on_elected`` is followed by one ``on_lost`` (also after :meth:`resign`).
-    * :meth:`guard`: inside your write transaction, fails unless this candidate still leads,
-      and holds off the next leader until that transaction ends.
-
-    How soon a new leader acts and an old one learns it lost: docs/leader.md ("The bounds").
+    Act as leader only while ``is_leader`` is True; ``term`` is a fencing token; ``on_elected``
+    and ``on_lost`` run in order on pglock's thread; :meth:`guard` fences your writes. What
+    each means, and how soon a new leader acts: docs/leader.md.
 
     Thread safety: one object may be shared by threads; ``is_leader``, ``term``,
     :meth:`wait_elected` and :meth:`guard` are safe to call from any thread.
@@ -163,11 +148,9 @@ class LeaderElection:
         self._on_lost = _callback(on_lost, "on_lost")
         self._interval = _seconds(check_interval, "check_interval", minimum=0.05)
         self._window = validity_window(self._interval)
-        self._delay = (
-            self._window
-            if takeover_delay is None
-            else _seconds(takeover_delay, "takeover_delay", minimum=0.0, allow_zero=True)
-        )
+        self._delay = self._window
+        if takeover_delay is not None:
+            self._delay = _seconds(takeover_delay, "takeover_delay", minimum=0.0, allow_zero=True)
         self._network_timeout = _seconds(network_timeout, "network_timeout", minimum=1.0)
 
         self._cond = threading.Condition(threading.Lock())
@@ -207,8 +190,7 @@ class LeaderElection:
 
     @property
     def term(self) -> int | None:
-        """The term of the current leadership, or of the last one this candidate held (so
-        ``on_lost`` can read which term ended); None before the first election."""
+        """The term of the current (or last: ``on_lost`` reads it) leadership; None before one."""
         with self._cond:
             return self._term
 
@@ -236,10 +218,9 @@ class LeaderElection:
         return self
 
     def resign(self) -> None:
-        """Stop campaigning; if leader, step down: ``is_leader`` turns False, ``on_lost``
-        runs, and only then is the lock released. Returns when that is done (at once when
-        called from a callback, which cannot wait for itself). :meth:`start` may campaign
-        again afterwards."""
+        """Stop campaigning; if leader, step down: ``is_leader`` turns False, ``on_lost`` runs,
+        and only then is the lock released. Returns when that is done (at once from a
+        callback, which cannot wait for itself); :meth:`start` may campaign again."""
         with self._cond:
             if not self._running:
                 return
@@ -285,9 +266,8 @@ class LeaderElection:
 
     def guard(self, conn: object) -> int:
         """Check, inside the caller's open transaction on ``conn``, that this candidate still
-        leads; return the term. Until that transaction ends, a new leader cannot start (it
-        waits for guarded transactions before its first ``is_leader``), so the transaction's
-        writes are never interleaved with the next leader's.
+        leads; return the term. A new leader waits for that transaction to end before its
+        first ``is_leader``, so its writes never interleave with the next leader's.
 
         :param conn: a psycopg Connection (in a transaction, or not in autocommit), or a
             SQLAlchemy Connection / Session, on the same database.

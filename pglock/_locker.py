@@ -122,10 +122,8 @@ class Locker:
         return self._closed
 
     def full_name(self, name: str) -> str:
-        """The name as locked in Postgres: ``"<namespace>:<name>"``, or ``name`` without one.
-
-        Use it to reach the same lock through :func:`pglock.pg_lock` or
-        :func:`pglock.xact_lock` on a connection you hold.
+        """The name as locked in Postgres: ``"<namespace>:<name>"``, or ``name`` without one
+        (for :func:`pglock.pg_lock` or :func:`pglock.xact_lock` on a connection you hold).
 
         :raises TypeError, ValueError: an invalid name (or too long with the namespace).
         """
@@ -168,10 +166,8 @@ class Locker:
             return self._own_pool
 
     def close(self) -> None:
-        """Close the pool this Locker created from a DSN (never a pool or engine you passed).
-
-        Idempotent. Locks still held on its connections are released by Postgres when the
-        connections close."""
+        """Close the pool this Locker created from a DSN (never a pool or engine you passed);
+        idempotent. Postgres releases the locks still held on its connections."""
         with self._mutex:
             self._closed = True
             pool, self._own_pool = self._own_pool, None
@@ -190,8 +186,7 @@ class Locker:
 
         :param options: those of :func:`pglock.pool_lock` (``shared``, ``timeout``).
         :raises pglock.LockNotAcquired: not acquired in time (at ``with``).
-        :raises pglock.SelfDeadlock: this thread already holds one of the names through this
-            Locker's pool (at ``with``): use the connection the outer block yielded.
+        :raises pglock.SelfDeadlock: this thread holds one of the names through this pool.
         :raises RuntimeError: the Locker is closed (at ``with``).
         """
         options.setdefault("timeout", self._timeout)
@@ -199,8 +194,7 @@ class Locker:
 
     def lease(self, name: str, **options: Unpack[LeaseOptions]) -> Lease:
         """A TTL lease with a fencing token: :func:`pglock.lease` on this Locker's source,
-        schema and namespace, and the Locker's timeout by default. Needs the pglock schema
-        installed.
+        schema and namespace, with the Locker's timeout by default (needs the schema).
 
         :param options: those of :func:`pglock.lease` but ``schema`` (the Locker's).
 
@@ -241,9 +235,8 @@ class Locker:
         return Singleton(self._deferred, self.full_name(name), **options)
 
     def leader(self, name: str, **options: Unpack[LeaderOptions]) -> LeaderElection:
-        """A candidate in the leader election for the namespaced ``name``: see
-        :func:`pglock.leader`. It opens its own connection with this Locker's connection
-        parameters (the DSN, or those of the pool or engine).
+        """A candidate in the leader election for the namespaced ``name`` (:func:`pglock.leader`),
+        on a connection of its own made with this Locker's connection parameters.
 
         :param options: those of :func:`pglock.leader`.
 

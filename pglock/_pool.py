@@ -52,14 +52,14 @@ _DISCARD_LOST = (
 # What each thread holds through a pool: (id of the pool, key). A nested request for one of
 # these would wait on another session for this thread's own lock, for ever (Postgres sees no
 # deadlock: the cycle goes through the client), so it is refused at once.
-_pooled = threading.local()
 
 
-def _thread_marks() -> set[tuple[int, int]]:
-    marks: set[tuple[int, int]] | None = getattr(_pooled, "marks", None)
-    if marks is None:
-        marks = _pooled.marks = set()
-    return marks
+class _Marks(threading.local):
+    def __init__(self) -> None:
+        self.marks: set[tuple[int, int]] = set()
+
+
+_pooled = _Marks()
 
 
 def _pool_id(kind: str, source: Any) -> int:
@@ -122,14 +122,11 @@ def release_all(
     if len(leaked) < len(held):
         logger.info("%s released %d deferred advisory lock(s)", source, len(held) - len(leaked))
     if leaked:
-        why = (
-            f"pglock handles still believed they held keys {believed}: they will raise LockLost"
-            if believed
-            else "taken outside pglock, e.g. by raw SQL"
-        )
+        why = f"pglock handles still believed they held keys {believed}: they will raise LockLost"
         logger.warning(
             "%s: the connection came back holding %d advisory lock(s), now released: keys %s (%s)",
-            source, len(leaked), ", ".join(leaked), why,
+            source, len(leaked), ", ".join(leaked),
+            why if believed else "taken outside pglock, e.g. by raw SQL",
         )
     return leaked
 
@@ -162,11 +159,9 @@ class PoolLockOptions(TypedDict, total=False):
 class PoolLock(BaseLock):
     """A session advisory lock on a connection checked out of a pool: see :func:`pool_lock`.
 
-    Returned by :func:`pool_lock` and :meth:`Locker.lock`. ``with`` (or :meth:`acquire`)
-    yields the connection (also :attr:`connection` while held); the exit (or :meth:`release`)
-    commits the body's transaction (rolls back if it raised), releases the lock and returns
-    the connection, or discards it when the release cannot be confirmed. :meth:`close` cancels
-    a blocked lock statement at once.
+    Returned by :func:`pool_lock` and :meth:`Locker.lock`; ``with`` (or :meth:`acquire`)
+    yields the connection (also :attr:`connection` while held). :meth:`close` cancels a
+    blocked lock statement at once.
 
     Thread safety: one acquisition at a time, released by the thread that took it. Create one
     per use (no I/O before :meth:`acquire`); ``close()`` may come from any thread.
@@ -248,7 +243,7 @@ class PoolLock(BaseLock):
         self._miss = None
         source: Any = self._given.resolve() if isinstance(self._given, Deferred) else self._given
         kind = self._kind = self._kind or _classify(source)
-        marks = _thread_marks()
+        marks = _pooled.marks
         pool_id = _pool_id(kind, source)
         for k, n in self._pairs:
             if (pool_id, k) in marks:
@@ -291,11 +286,8 @@ class PoolLock(BaseLock):
         try:
             return pool.getconn(timeout=timeout)
         except PoolTimeout as exc:
-            self._miss = (
-                f"could not get a connection from the pool within {timeout:.2f} s "
-                f"to lock {', '.join(self.names)!r}",
-                exc,
-            )
+            text = f"could not get a connection from the pool within {timeout:.2f} s to lock"
+            self._miss = (f"{text} {', '.join(self.names)!r}", exc)
             return None
 
     def _wake(self) -> None:
@@ -316,8 +308,8 @@ class PoolLock(BaseLock):
             pause = min(pause * 2, 0.2)
 
     def release(self) -> None:
-        """Commit the transaction left open on :attr:`connection`, release the lock and give
-        the connection back to its pool (discarded when the release cannot be confirmed).
+        """Commit what :attr:`connection` left open, release the lock and give the connection
+        back to its pool (discarded when the release cannot be confirmed).
 
         :raises RuntimeError: not held.
         :raises pglock.LockLost: the lock was found gone (the connection was discarded).
@@ -327,8 +319,7 @@ class PoolLock(BaseLock):
         self._end(None)
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        # After an explicit release() inside the block there is nothing left to release.
-        if self._conn is not None:
+        if self._conn is not None:  # else released inside the block
             self._end(exc)  # rolls back and never masks the body's exception when it raised
 
     def _end(self, exc: BaseException | None) -> None:
@@ -355,7 +346,7 @@ class PoolLock(BaseLock):
             errors.append(e)
         try:
             lock.release()
-            discard = not _release_leftovers(kind, conn, self.names) or not _idle(kind, conn)
+            discard = not _clean(kind, conn, self.names)
         except BaseException as e:
             discard = True
             errors.append(e)
@@ -408,38 +399,30 @@ def _raw(kind: str, conn: Any) -> psycopg.Connection[Any] | None:
     return None if raw.closed or raw.broken else raw
 
 
-def _release_leftovers(kind: str, conn: Any, names: list[str]) -> bool:
-    """Release every advisory lock of the session if pglock's bookkeeping still shows one on
-    a connection going back to its pool; False when that failed (the caller discards it)."""
+def _clean(kind: str, conn: Any, names: list[str]) -> bool:
+    """True when ``conn`` may go back to its pool: open, idle, nothing in pglock's bookkeeping.
+    Leftovers are released first, with every advisory lock of the session (and a WARNING)."""
     raw = _raw(kind, conn)
     if raw is None:
         return False
     state = _conn.state_for(raw)
     with state.cond:
         leftover = bool(state.holds or state.deferred)
-    if not leftover:
-        return True  # the common case: no SQL
-    if raw.info.transaction_status != IDLE:
-        return False
-    try:
-        release_all(
-            raw,
-            source=f"pool_lock {names!r} (before giving its connection back to the pool)",
-            end_own_transaction=True,
-            lost=_LEFTOVER_LOST.format(names=names),
-        )
-    except (psycopg.Error, LockError):
-        logger.warning("pool_lock %r could not release the locks left on its connection", names,
-                       exc_info=True)
-        return False
-    return True
-
-
-def _idle(kind: str, conn: Any) -> bool:
-    raw = _raw(kind, conn)
-    if raw is None:
-        return False
-    state = _conn.state_for(raw)
+    if leftover:  # rare: the common case sends no SQL
+        if raw.info.transaction_status != IDLE:
+            return False
+        source = f"pool_lock {names!r} (before giving its connection back to the pool)"
+        lost = _LEFTOVER_LOST.format(names=names)
+        try:
+            release_all(raw, source=source, end_own_transaction=True, lost=lost)
+        except (psycopg.Error, LockError):
+            logger.warning("pool_lock %r could not release the locks left on its connection",
+                           names, exc_info=True)
+            return False
+        raw = _raw(kind, conn)
+        if raw is None:
+            return False
+        state = _conn.state_for(raw)
     with state.cond:
         pending = bool(state.deferred)
     return raw.info.transaction_status == IDLE and not pending

@@ -1,7 +1,5 @@
-"""Read-write locks: shared (read) or exclusive (write) session advisory locks on
-``key(name)``, on a connection or through a pool; Postgres's lock queue keeps writers from
-starving (docs/rwlock.md).
-"""
+"""Read-write locks: shared (read) or exclusive (write) session advisory locks on ``key(name)``,
+on a connection or through a pool; Postgres's queue keeps writers from starving (docs/rwlock.md)."""
 
 from __future__ import annotations
 
@@ -49,10 +47,8 @@ class RWLockOptions(TypedDict, total=False):
 class RWHold(BaseLock):
     """The read or the write lock of an :class:`RWLock`: ``rw.read()``, ``rw.write()``.
 
-    ``with`` (or :meth:`acquire`) takes it and yields the connection holding it (also
-    :attr:`connection`); through a pool the connection is checked out for the hold and goes
-    back at the release, as with :func:`pglock.pool_lock` (whose transaction rules apply).
-    :meth:`close` wakes a thread blocked in :meth:`acquire` at once.
+    ``with`` (or :meth:`acquire`) yields the connection holding it (also :attr:`connection`);
+    through a pool it is checked out for the hold, as with :func:`pglock.pool_lock`.
 
     Thread safety: one acquisition at a time, by one thread; ``close()`` from any thread.
     """
@@ -101,16 +97,12 @@ class RWHold(BaseLock):
         self._inner.release()
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        # The inner lock's exit: through a pool it rolls back the body's transaction when the
-        # body raised; after an explicit release() it does nothing.
+        # Through a pool the inner exit rolls back when the body raised.
         if self._inner is not None:
             self._inner.__exit__(exc_type, exc, tb)
 
     def _outstanding(self) -> bool:
-        inner = self._inner
-        if isinstance(inner, BaseLock):
-            return inner._outstanding()
-        return inner is not None and inner._owner is not None
+        return self._inner is not None and self._inner._outstanding()
 
     def _not_acquired(self) -> LockNotAcquired:
         if isinstance(self._inner, PoolLock):
@@ -123,11 +115,10 @@ class RWHold(BaseLock):
 
     def _waiters(self) -> Waiters:
         # The inner lock's waiters: close() marks the wait that the inner lock runs.
-        inner = self._inner
-        return inner._waiters() if isinstance(inner, BaseLock) else super()._waiters()
+        return super()._waiters() if self._inner is None else self._inner._waiters()
 
     def _wake(self) -> None:
-        if isinstance(self._inner, BaseLock):
+        if self._inner is not None:
             self._inner._wake()
 
 
@@ -138,9 +129,8 @@ class RWLock:
     :meth:`read` and :meth:`write` return lock objects (:class:`RWHold`) whose ``with`` yields
     the connection holding the lock: the one you passed, or one checked out of the pool (as in
     :func:`pool_lock`). Writers are not starved. On one connection a thread's re-entry is
-    counted and an upgrade (write while reading) raises :class:`pglock.LockError`; through a
-    pool any nesting of the name by one thread raises :class:`pglock.SelfDeadlock`
-    (docs/rwlock.md).
+    counted and an upgrade raises :class:`pglock.LockError`; through a pool any nesting of the
+    name by one thread raises :class:`pglock.SelfDeadlock` (docs/rwlock.md).
 
     Thread safety: an ``RWLock`` may be shared by threads; each ``read()``/``write()`` call
     returns a lock object for one thread.

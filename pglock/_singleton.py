@@ -1,6 +1,5 @@
 """Singleton jobs: run a function only where no other process is running it, under a session
-lock held for the run. It excludes concurrent runs, not a second run per period
-(docs/singleton.md).
+lock held for the run. It excludes concurrent runs, not a second run per period (docs/singleton.md).
 """
 
 from __future__ import annotations
