@@ -1,8 +1,5 @@
-"""Leader election (:class:`LeaderElection`): one leader among many candidates, on a session
-advisory lock held on a connection pglock opens for each candidate.
-
-Why a new leader waits before acting, the validity window and terms: docs/leader.md.
-"""
+"""Leader election (:class:`LeaderElection`) on a session advisory lock held on a connection
+pglock opens for each candidate. The validity window, terms and bounds: docs/leader.md."""
 
 from __future__ import annotations
 
@@ -23,6 +20,8 @@ from . import _advisory, _conn, _sql, _xact
 from ._base import release_after
 from ._classify import Kind, check_driver, classify
 from ._keys import _key, key, validate_name, validate_timeout
+from ._keys import deadline as _deadline
+from ._keys import remaining as _remaining
 from .errors import LockError, LockLost, LockNotAcquired, UnsupportedServer
 
 if TYPE_CHECKING:
@@ -47,25 +46,18 @@ _CONNECT_ONLY = frozenset(
 _MAX_INTERVAL = 3600.0
 
 
-# --- where the dedicated connection comes from ------------------------------------------------
-
-
 #: Where a leader's dedicated connection can take its parameters from (it never uses the
 #: object itself: a leader holds its lock on a connection of its own).
 _DEDICATED = frozenset({Kind.DSN, Kind.POOL, Kind.ENGINE, Kind.CONNECTION})
 
 
 def check_dedicated_source(source: object) -> Kind:
-    """Refuse, before any I/O, a source that :func:`dedicated_conninfo` cannot use.
-
-    :raises TypeError: not a DSN, pool, engine (psycopg driver) or psycopg connection.
-    :raises ValueError: an unparsable DSN.
-    """
+    """Refuse, before any I/O, a source that :func:`dedicated_conninfo` cannot use: TypeError
+    (not a DSN, pool, engine on psycopg, or psycopg connection), ValueError (a bad DSN)."""
     kind = classify(source, _DEDICATED, api="leader election (to copy connection parameters)")
     if kind is Kind.DSN:
-        assert isinstance(source, str)
         try:
-            pg_conninfo.conninfo_to_dict(source)
+            pg_conninfo.conninfo_to_dict(cast(str, source))
         except psycopg.ProgrammingError as exc:
             raise ValueError(f"invalid connection string: {exc}") from None
     elif kind is Kind.ENGINE:
@@ -74,16 +66,9 @@ def check_dedicated_source(source: object) -> Kind:
 
 
 def dedicated_conninfo(source: object, **extra: Any) -> str:
-    """A libpq connection string for a connection pglock opens and owns, built from ``source``.
-
-    * a DSN string is used as is;
-    * a ``psycopg_pool.ConnectionPool`` gives its ``conninfo`` and libpq ``kwargs``;
-    * a SQLAlchemy ``Engine`` lends one connection whose effective parameters (including
-      ``connect_args`` and the password) are copied;
-    * a psycopg ``Connection`` gives its parameters (it is not used itself).
-
-    ``extra`` parameters override those of the source.
-    """
+    """A libpq connection string for a connection pglock opens and owns, built from ``source``
+    (a DSN, a pool's ``conninfo`` and ``kwargs``, or the parameters of a connection, an
+    Engine's lent for the purpose), with ``extra`` overriding them."""
     kind = check_dedicated_source(source)
     if kind is Kind.DSN:
         return pg_conninfo.make_conninfo(cast(str, source), **extra)
@@ -94,10 +79,8 @@ def dedicated_conninfo(source: object, **extra: Any) -> str:
         kwargs = {k: v for k, v in (pool.kwargs or {}).items() if k not in _CONNECT_ONLY}
         kwargs.update(extra)
         return pg_conninfo.make_conninfo(pool.conninfo, **kwargs)
-    engine: Any = source
-    with engine.connect() as sa_conn:
-        raw = _conn._driver_connection(sa_conn)
-        return _from_connection(raw, extra)
+    with cast(Any, source).connect() as sa_conn:
+        return _from_connection(_conn._driver_connection(sa_conn), extra)
 
 
 def _from_connection(conn: psycopg.Connection[Any], extra: dict[str, Any]) -> str:
@@ -106,9 +89,6 @@ def _from_connection(conn: psycopg.Connection[Any], extra: dict[str, Any]) -> st
         params["password"] = conn.info.password
     params.update(extra)
     return pg_conninfo.make_conninfo("", **params)
-
-
-# --- validation -------------------------------------------------------------------------------
 
 
 def _seconds(value: object, what: str, *, minimum: float, allow_zero: bool = False) -> float:
@@ -139,9 +119,6 @@ def validity_window(check_interval: float) -> float:
     return check_interval + min(1.0, max(0.25, check_interval / 2))
 
 
-# --- the election -----------------------------------------------------------------------------
-
-
 class LeaderElection:
     """One candidate in the election for ``name``; the elected one is the leader.
 
@@ -149,35 +126,18 @@ class LeaderElection:
     and :meth:`resign`. A background thread keeps a dedicated connection, waits for the lock,
     and, once leader, checks the session at least every ``check_interval`` seconds.
 
-    * ``is_leader``: True while this candidate leads *and* a check confirmed it within the
-      validity window (``check_interval`` plus up to 1 s); act as leader only while it is True.
-    * ``term``: a fencing token, larger for every new leader (a 64-bit transaction id).
-    * ``on_elected`` / ``on_lost``: called with no arguments, in order, on a separate thread:
-      every ``on_elected`` is followed by one ``on_lost`` (also after :meth:`resign`).
-    * :meth:`guard`: inside your write transaction, fails unless this candidate still leads,
-      and holds off the next leader until that transaction ends.
-
-    Bounds (see docs/leader.md): a new leader acts no sooner than ``takeover_delay`` after it
-    won the lock, and no later than ``check_interval + takeover_delay`` plus a round trip after
-    the old leader's session ended. The old leader's ``is_leader`` reads False within the
-    validity window of its last confirmation; ``on_lost`` runs when the loss is noticed: within
-    ``check_interval`` after its session ended, within ``check_interval + network_timeout``
-    when the server or the network stops answering.
+    Act as leader only while ``is_leader`` is True; ``term`` is a fencing token; ``on_elected``
+    and ``on_lost`` run in order on pglock's thread; :meth:`guard` fences your writes. What
+    each means, and how soon a new leader acts: docs/leader.md.
 
     Thread safety: one object may be shared by threads; ``is_leader``, ``term``,
     :meth:`wait_elected` and :meth:`guard` are safe to call from any thread.
     """
 
     def __init__(
-        self,
-        source: object,
-        name: str,
-        *,
-        on_elected: Callable[[], object] | None = None,
-        on_lost: Callable[[], object] | None = None,
-        check_interval: float = 1.0,
-        takeover_delay: float | None = None,
-        network_timeout: float = 5.0,
+        self, source: object, name: str, *, on_elected: Callable[[], object] | None = None,
+        on_lost: Callable[[], object] | None = None, check_interval: float = 1.0,
+        takeover_delay: float | None = None, network_timeout: float = 5.0,
     ) -> None:
         self._name = validate_name(name)
         self._key = key(name)
@@ -188,11 +148,9 @@ class LeaderElection:
         self._on_lost = _callback(on_lost, "on_lost")
         self._interval = _seconds(check_interval, "check_interval", minimum=0.05)
         self._window = validity_window(self._interval)
-        self._delay = (
-            self._window
-            if takeover_delay is None
-            else _seconds(takeover_delay, "takeover_delay", minimum=0.0, allow_zero=True)
-        )
+        self._delay = self._window
+        if takeover_delay is not None:
+            self._delay = _seconds(takeover_delay, "takeover_delay", minimum=0.0, allow_zero=True)
         self._network_timeout = _seconds(network_timeout, "network_timeout", minimum=1.0)
 
         self._cond = threading.Condition(threading.Lock())
@@ -211,8 +169,6 @@ class LeaderElection:
         self._in_callback = False
         #: When the check now in flight was sent (monotonic), for the watchdog.
         self._inflight_since: float | None = None
-
-    # -- introspection -----------------------------------------------------------------
 
     @property
     def name(self) -> str:
@@ -234,16 +190,13 @@ class LeaderElection:
 
     @property
     def term(self) -> int | None:
-        """The term of the current leadership, or of the last one this candidate held (so
-        ``on_lost`` can read which term ended); None before the first election."""
+        """The term of the current (or last: ``on_lost`` reads it) leadership; None before one."""
         with self._cond:
             return self._term
 
     def __repr__(self) -> str:
         state = "leader" if self.is_leader else ("candidate" if self._running else "idle")
         return f"<pglock.LeaderElection {self._name!r} {state} term={self._term}>"
-
-    # -- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> Self:
         """Start campaigning in the background (no-op when already campaigning)."""
@@ -265,10 +218,9 @@ class LeaderElection:
         return self
 
     def resign(self) -> None:
-        """Stop campaigning; if leader, step down: ``is_leader`` turns False, ``on_lost``
-        runs, and only then is the lock released. Returns when that is done (at once when
-        called from a callback, which cannot wait for itself). :meth:`start` may campaign
-        again afterwards."""
+        """Stop campaigning; if leader, step down: ``is_leader`` turns False, ``on_lost`` runs,
+        and only then is the lock released. Returns when that is done (at once from a
+        callback, which cannot wait for itself); :meth:`start` may campaign again."""
         with self._cond:
             if not self._running:
                 return
@@ -298,8 +250,7 @@ class LeaderElection:
 
         :raises RuntimeError: the election was not started.
         """
-        t = validate_timeout(timeout)
-        deadline = None if t is None else time.monotonic() + t
+        deadline = _deadline(validate_timeout(timeout))
         with self._cond:
             if not self._running:
                 raise RuntimeError("the election is not running: call start() or use 'with'")
@@ -308,18 +259,15 @@ class LeaderElection:
                     return True
                 if not self._running or self._stop.is_set():
                     return False
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                left = _remaining(deadline)
+                if left == 0:
                     return False
-                self._cond.wait(remaining)
-
-    # -- fencing -----------------------------------------------------------------------
+                self._cond.wait(left)
 
     def guard(self, conn: object) -> int:
         """Check, inside the caller's open transaction on ``conn``, that this candidate still
-        leads; return the term. Until that transaction ends, a new leader cannot start (it
-        waits for guarded transactions before its first ``is_leader``), so the transaction's
-        writes are never interleaved with the next leader's.
+        leads; return the term. A new leader waits for that transaction to end before its
+        first ``is_leader``, so its writes never interleave with the next leader's.
 
         :param conn: a psycopg Connection (in a transaction, or not in autocommit), or a
             SQLAlchemy Connection / Session, on the same database.
@@ -353,8 +301,6 @@ class LeaderElection:
             if self._term != term or not self._leader:
                 raise LockLost(self._name, reason=f"leadership of term {term} ended")
         return term
-
-    # -- background: campaign and checks -----------------------------------------------
 
     def _run(self) -> None:
         failures = 0
@@ -391,8 +337,6 @@ class LeaderElection:
 
     def _await_callbacks(self) -> None:
         # On resign, let on_lost finish before the lock goes to the next leader.
-        if threading.current_thread() is self._dispatcher:  # pragma: no cover - defensive
-            return
         with self._cond:
             self._cond.wait_for(
                 lambda: not self._events and not self._in_callback,
@@ -402,27 +346,20 @@ class LeaderElection:
     def _open(self) -> None:
         idle = max(1, round(self._network_timeout / 2))
         count = max(1, math.ceil(self._network_timeout) - idle)
-        params: dict[str, Any] = {
-            "keepalives": 1,
-            "keepalives_idle": idle,
-            "keepalives_interval": 1,
-            "keepalives_count": count,
-            "tcp_user_timeout": int(self._network_timeout * 1000),
-        }
-        info = dedicated_conninfo(self._source, **params)
+        user_timeout = int(self._network_timeout * 1000)
+        info = dedicated_conninfo(
+            self._source, keepalives=1, keepalives_idle=idle, keepalives_interval=1,
+            keepalives_count=count, tcp_user_timeout=user_timeout,
+        )
         given = pg_conninfo.conninfo_to_dict(info)
         if "connect_timeout" not in given:
-            info = pg_conninfo.make_conninfo(
-                info, connect_timeout=max(2, math.ceil(self._network_timeout))
-            )
+            connect_timeout = max(2, math.ceil(self._network_timeout))
+            info = pg_conninfo.make_conninfo(info, connect_timeout=connect_timeout)
         if "application_name" not in given:
             info = pg_conninfo.make_conninfo(info, application_name="pglock-leader")
         conn = psycopg.connect(info, autocommit=True)
         try:
-            _conn.run(
-                conn,
-                _sql.leader_session_setup(idle, 1, count, int(self._network_timeout * 1000)),
-            )
+            _conn.run(conn, _sql.leader_session_setup(idle, 1, count, user_timeout))
             pid, started, in_recovery = _conn.run(conn, _sql.LEADER_SESSION)[0]
             if in_recovery:
                 raise UnsupportedServer(
@@ -516,8 +453,6 @@ class LeaderElection:
         log = logger.info if reason == "resigned" else logger.warning
         log("leadership of %r (term %s) ended: %s", self._name, term, reason)
 
-    # -- background: callbacks and the validity watchdog -------------------------------
-
     def _dispatch(self) -> None:
         tick = min(0.5, self._interval)
         last = time.monotonic()
@@ -533,11 +468,8 @@ class LeaderElection:
                         # check may be waiting in the socket. Give it a fresh allowance.
                         self._inflight_since = now
                     last = now
-                    if (
-                        self._leader
-                        and self._inflight_since is not None
-                        and now - self._inflight_since > self._network_timeout
-                    ):
+                    since = self._inflight_since
+                    if self._leader and since is not None and now - since > self._network_timeout:
                         # The server takes no notice of the check (frozen, or a black hole
                         # that still acknowledges TCP): is_leader is already False (the
                         # validity window); now the term ends, and on_lost runs.
@@ -552,9 +484,8 @@ class LeaderElection:
                     if not self._running:
                         return
                     wait = tick if self._leader else None
-                    if self._leader and self._inflight_since is not None:
-                        due = self._inflight_since + self._network_timeout - now
-                        wait = max(0.001, min(tick, due + 0.001))
+                    if self._leader and since is not None:
+                        wait = max(0.001, min(tick, since + self._network_timeout - now + 0.001))
                     self._cond.wait(wait)
                 self._in_callback = True
             callback = self._on_elected if kind == "elected" else self._on_lost
@@ -597,15 +528,12 @@ def leader(source: object, name: str, **options: Unpack[LeaderOptions]) -> Leade
         dedicated connection per candidate and never uses a pooled one).
     :param options: keyword-only, the same for ``Locker.leader`` (``LeaderOptions``):
 
-        * ``on_elected``, ``on_lost`` (default None): called when this candidate becomes
-          leader and when it stops being leader (see :class:`LeaderElection`);
+        * ``on_elected``, ``on_lost`` (default None): called on becoming and ceasing to be leader;
         * ``check_interval`` (default 1): seconds between checks of the leader's session;
-        * ``takeover_delay`` (default: the validity window, which keeps the old and new
-          leader's ``is_leader`` apart): seconds a new leader waits after winning before it
-          acts;
+        * ``takeover_delay`` (default: the validity window): seconds a new leader waits after
+          winning before it acts;
         * ``network_timeout`` (default 5): seconds of silence after which the connection
-          counts as dead (libpq TCP keepalives and ``tcp_user_timeout``; also set on the
-          server side).
+          counts as dead (TCP keepalives and ``tcp_user_timeout``, on both sides).
     :raises TypeError, ValueError: bad arguments, before any I/O.
 
     Example::

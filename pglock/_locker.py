@@ -1,10 +1,4 @@
-"""``Locker``: the one configured entry point for an application's locks.
-
-It holds a connection source (a pool, an engine, or a DSN for which it opens its own pool at
-the first use), a namespace, a schema and a default timeout, and makes every pooled lock kind
-with them. Its methods take the options of the functions they mirror, through the same
-``TypedDict`` (``PoolLockOptions``, ``LeaseOptions``...), so the two cannot drift.
-"""
+"""``Locker``: the one configured entry point for an application's locks (docs/pools.md)."""
 
 from __future__ import annotations
 
@@ -54,28 +48,22 @@ def _validate_namespace(namespace: object) -> str | None:
 class Locker:
     """The one configured entry point for an application's locks.
 
-    ``Locker(source, namespace="billing")`` holds a connection source and settings; each call
-    makes a lock: :meth:`lock` (a session advisory lock on a pooled connection, like
-    :func:`pglock.pool_lock`), :meth:`lease`, :meth:`semaphore`, :meth:`rwlock`,
-    :meth:`singleton` and :meth:`leader`. Each method takes the options of the function it
-    mirrors (one definition for both), with the Locker's namespace, schema and default timeout.
+    ``Locker(source, namespace="billing")`` holds a connection source and settings; each
+    method (:meth:`lock`, :meth:`lease`, :meth:`semaphore`, :meth:`rwlock`, :meth:`singleton`,
+    :meth:`leader`) makes a lock with the options of the function it mirrors (docs/pools.md).
 
-    :param source: a ``psycopg_pool.ConnectionPool``, a SQLAlchemy ``Engine`` (psycopg driver),
-        or a DSN string. For a DSN the Locker creates its own ``ConnectionPool`` at the first
-        use, with ``reset=pglock.reset_connection``, and closes it in :meth:`close`. A pool or
-        engine you pass stays yours: the Locker never closes it.
-    :param namespace: folded into every name: ``locker.lock("x")`` locks ``"<namespace>:x"``,
-        the same lock as ``pg_lock(conn, "<namespace>:x")``. A namespace follows the rules for
-        names and must not contain ``':'``, so two namespaces never share a name.
+    :param source: a ``psycopg_pool.ConnectionPool`` or SQLAlchemy ``Engine`` (psycopg driver),
+        never closed by the Locker, or a DSN string: the Locker then opens its own pool (with
+        ``reset=pglock.reset_connection``) at the first use and closes it in :meth:`close`.
+    :param namespace: folded into every name: ``locker.lock("x")`` locks ``"<namespace>:x"``;
+        it follows the rules for names and must not contain ``':'``.
     :param schema: the schema of the lease table and functions (leases only).
-    :param timeout: the default ``timeout`` of :meth:`lock`, :meth:`lease` and :meth:`rwlock`
-        (``None``: wait).
+    :param timeout: the default ``timeout`` of :meth:`lock`, :meth:`lease` and :meth:`rwlock`.
     :param pool_kwargs: extra keyword arguments for the ``ConnectionPool`` a DSN Locker creates
         (defaults: ``min_size=1``, ``max_size=10``); refused for a pool or engine source.
 
-    No I/O happens in the constructor. Thread safety: a Locker can be shared between threads
-    (its own pool is created once, under a lock); the objects its methods return are each for
-    one thread.
+    No I/O in the constructor. Thread safety: a Locker can be shared between threads; the
+    objects its methods return are each for one thread.
 
     Example::
 
@@ -85,13 +73,8 @@ class Locker:
     """
 
     def __init__(
-        self,
-        source: object,
-        *,
-        namespace: str | None = None,
-        schema: str = "pglock",
-        timeout: float | None = None,
-        pool_kwargs: Mapping[str, Any] | None = None,
+        self, source: object, *, namespace: str | None = None, schema: str = "pglock",
+        timeout: float | None = None, pool_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         self._namespace = _validate_namespace(namespace)
         self._schema = validate_schema(schema)
@@ -123,8 +106,6 @@ class Locker:
         # their first acquire; a closed Locker refuses it then.
         self._deferred = Deferred(self._connection_source)
 
-    # -- configuration ---------------------------------------------------------------------
-
     @property
     def namespace(self) -> str | None:
         """The namespace folded into every name, or None."""
@@ -141,10 +122,8 @@ class Locker:
         return self._closed
 
     def full_name(self, name: str) -> str:
-        """The name as locked in Postgres: ``"<namespace>:<name>"``, or ``name`` without one.
-
-        Use it to reach the same lock through :func:`pglock.pg_lock` or
-        :func:`pglock.xact_lock` on a connection you hold.
+        """The name as locked in Postgres: ``"<namespace>:<name>"``, or ``name`` without one
+        (for :func:`pglock.pg_lock` or :func:`pglock.xact_lock` on a connection you hold).
 
         :raises TypeError, ValueError: an invalid name (or too long with the namespace).
         """
@@ -163,11 +142,8 @@ class Locker:
         closed = " closed" if self._closed else ""
         return f"<pglock.Locker {source} namespace={self._namespace!r}{closed}>"
 
-    # -- the connection source -------------------------------------------------------------
-
     def _connection_source(self) -> object:
-        """The pool or engine to check connections out of (a DSN Locker's own pool is
-        created here, at the first use)."""
+        """The pool or engine to check connections out of (a DSN Locker's own pool opens here)."""
         with self._mutex:
             if self._closed:
                 raise RuntimeError("this Locker is closed")
@@ -190,10 +166,8 @@ class Locker:
             return self._own_pool
 
     def close(self) -> None:
-        """Close the pool this Locker created from a DSN (never a pool or engine you passed).
-
-        Idempotent. Locks still held on its connections are released by Postgres when the
-        connections close."""
+        """Close the pool this Locker created from a DSN (never a pool or engine you passed);
+        idempotent. Postgres releases the locks still held on its connections."""
         with self._mutex:
             self._closed = True
             pool, self._own_pool = self._own_pool, None
@@ -206,19 +180,13 @@ class Locker:
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self.close()
 
-    # -- locks -----------------------------------------------------------------------------
-
     def lock(self, names: str | Sequence[str], **options: Unpack[PoolLockOptions]) -> PoolLock:
         """A session advisory lock on a pooled connection: :func:`pglock.pool_lock` with the
         namespace folded into the names, and the Locker's timeout by default.
 
-        ``with locker.lock("invoice:42", timeout=5) as conn:`` yields the connection holding the
-        lock (psycopg ``Connection``, or SQLAlchemy ``Connection`` for an Engine).
-
         :param options: those of :func:`pglock.pool_lock` (``shared``, ``timeout``).
         :raises pglock.LockNotAcquired: not acquired in time (at ``with``).
-        :raises pglock.SelfDeadlock: this thread already holds one of the names through this
-            Locker's pool (at ``with``): use the connection the outer block yielded.
+        :raises pglock.SelfDeadlock: this thread holds one of the names through this pool.
         :raises RuntimeError: the Locker is closed (at ``with``).
         """
         options.setdefault("timeout", self._timeout)
@@ -226,8 +194,7 @@ class Locker:
 
     def lease(self, name: str, **options: Unpack[LeaseOptions]) -> Lease:
         """A TTL lease with a fencing token: :func:`pglock.lease` on this Locker's source,
-        schema and namespace, and the Locker's timeout by default. Needs the pglock schema
-        installed.
+        schema and namespace, with the Locker's timeout by default (needs the schema).
 
         :param options: those of :func:`pglock.lease` but ``schema`` (the Locker's).
 
@@ -268,9 +235,8 @@ class Locker:
         return Singleton(self._deferred, self.full_name(name), **options)
 
     def leader(self, name: str, **options: Unpack[LeaderOptions]) -> LeaderElection:
-        """A candidate in the leader election for the namespaced ``name``: see
-        :func:`pglock.leader`. It opens its own connection with this Locker's connection
-        parameters (the DSN, or those of the pool or engine).
+        """A candidate in the leader election for the namespaced ``name`` (:func:`pglock.leader`),
+        on a connection of its own made with this Locker's connection parameters.
 
         :param options: those of :func:`pglock.leader`.
 
@@ -282,9 +248,7 @@ class Locker:
         source = self._dsn if self._dsn is not None else self._external
         return LeaderElection(source, self.full_name(name), **options)
 
-    def semaphore(
-        self, name: str, limit: int, **options: Unpack[SemaphoreOptions]
-    ) -> Semaphore:
+    def semaphore(self, name: str, limit: int, **options: Unpack[SemaphoreOptions]) -> Semaphore:
         """A semaphore on the namespaced ``name`` over this Locker's source and schema: see
         :func:`pglock.semaphore`. Needs the pglock schema installed.
 
@@ -296,9 +260,8 @@ class Locker:
             with locker.semaphore("exports", 3):
                 run_export()
         """
-        return Semaphore(
-            self._deferred, self.full_name(name), limit, schema=self._schema, **options
-        )
+        full = self.full_name(name)
+        return Semaphore(self._deferred, full, limit, schema=self._schema, **options)
 
 
 __all__ = ["Locker"]

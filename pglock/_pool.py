@@ -1,20 +1,6 @@
-"""Pool-aware locking: ``pool_lock`` and the pool reset hook.
-
-A session advisory lock lives on a Postgres session, and a pooled connection outlives the code
-that borrowed it. Two pieces keep a lock from ever going back to a pool with its connection:
-
-* :func:`pool_lock` checks a connection out, locks, yields it and releases before giving it
-  back. When the release cannot be confirmed it closes the connection instead (psycopg_pool)
-  or invalidates it (SQLAlchemy): Postgres drops the locks of a closed session. Locks that
-  pglock's bookkeeping still shows on the connection (left open in the body) are released
-  first; a nested block of a name the thread holds through the same pool is refused
-  (:class:`pglock.SelfDeadlock`) instead of waiting for itself.
-* :func:`reset_connection` is the safety net for everything else (raw SQL, a ``pg_lock`` left
-  open, a bug): as a psycopg_pool ``reset=`` callback, or through
-  :func:`pglock.sqlalchemy.release_on_checkin`, it drops every advisory lock still held when
-  the connection comes back, and says which at WARNING.
-
-:class:`pglock.Locker` (in :mod:`pglock._locker`) builds on both.
+"""Pool-aware locking: :func:`pool_lock` checks a connection out, locks, and gives it back
+unlocked or not at all; :func:`reset_connection` releases whatever a returned connection still
+holds. Why and how: docs/pools.md.
 """
 
 from __future__ import annotations
@@ -63,19 +49,17 @@ _DISCARD_LOST = (
     "Postgres drops every lock of a closed session"
 )
 
-# What each thread holds through pool_lock (and Locker.lock, a pooled rwlock, a Locker's
-# singleton, locked_session), per pool: a set of (id of the pool, key). A nested request of
-# the same thread for one of these keys would check out *another* connection, another
-# session, which waits for this thread's own lock: for ever, since Postgres sees no deadlock
-# between two sessions (the cycle goes through the client). Such a request is refused at once.
-_pooled = threading.local()
+# What each thread holds through a pool: (id of the pool, key). A nested request for one of
+# these would wait on another session for this thread's own lock, for ever (Postgres sees no
+# deadlock: the cycle goes through the client), so it is refused at once.
 
 
-def _thread_marks() -> set[tuple[int, int]]:
-    marks: set[tuple[int, int]] | None = getattr(_pooled, "marks", None)
-    if marks is None:
-        marks = _pooled.marks = set()
-    return marks
+class _Marks(threading.local):
+    def __init__(self) -> None:
+        self.marks: set[tuple[int, int]] = set()
+
+
+_pooled = _Marks()
 
 
 def _pool_id(kind: str, source: Any) -> int:
@@ -84,26 +68,12 @@ def _pool_id(kind: str, source: Any) -> int:
     return id(source.pool) if kind == "sqlalchemy" else id(source)
 
 
-# --- the reset hook ------------------------------------------------------------------------
-
-
 def reset_connection(conn: psycopg.Connection[Any]) -> None:
     """Release every advisory lock a pooled connection still holds: a psycopg_pool reset hook.
 
-    Pass it as ``ConnectionPool(..., reset=pglock.reset_connection)``. When a connection comes
-    back to the pool, it runs one statement that lists the session's advisory locks in
-    ``pg_locks`` and calls ``pg_advisory_unlock_all()``, and logs a WARNING on the
-    ``pglock.pool`` logger naming the keys that were still held (a lock taken by raw SQL, or a
-    ``pg_lock`` block that was never left). Releases pglock had to postpone (a failed
-    transaction at the end of a ``pg_lock`` block) are done by the same statement and are not
-    reported as leaks. pglock forgets its bookkeeping for the connection; a ``pg_lock`` handle
-    that still believed it held a lock raises :class:`pglock.LockLost` when released.
-
-    The connection is left idle. If the statement fails the exception propagates and
-    psycopg_pool discards the connection, so a lock is never handed to the next borrower.
-
-    Cost: one round trip per checkin (see docs/pools.md for the measured figure); psycopg_pool
-    runs reset hooks in its worker thread, not in the caller's.
+    One statement releases the session's advisory locks, with a WARNING on ``pglock.pool``
+    naming leaked keys; a ``pg_lock`` handle still on one raises :class:`pglock.LockLost`.
+    If it fails, psycopg_pool discards the connection. Cost and details: docs/pools.md.
 
     :raises TypeError: ``conn`` is not a psycopg ``Connection``.
 
@@ -123,29 +93,22 @@ def reset_connection(conn: psycopg.Connection[Any]) -> None:
 
 
 def release_all(
-    conn: psycopg.Connection[Any],
-    *,
-    source: str,
-    end_own_transaction: bool,
+    conn: psycopg.Connection[Any], *, source: str, end_own_transaction: bool,
     lost: str = _RESET_LOST,
 ) -> list[str]:
-    """Drop every advisory lock held by ``conn``'s session and pglock's bookkeeping for it.
-
-    Returns the leaked locks' descriptions (``"key"`` or ``"key shared"``). Shared by the
-    psycopg_pool hook, the SQLAlchemy reset listener and :class:`PoolLock`'s exit; handles
-    that still believed they held a lock raise :class:`pglock.LockLost` with ``lost``."""
+    """Drop every advisory lock of ``conn``'s session and pglock's bookkeeping for it (handles
+    raise LockLost with ``lost``); return the leaked ones (``"key"`` or ``"key shared"``)."""
     state = _conn.forget(conn, lost=lost)
-    if end_own_transaction and not conn.autocommit:
+    flip = end_own_transaction and not conn.autocommit
+    if flip:
         # One round trip instead of two (statement + COMMIT): flipping autocommit on an idle
         # connection is client-side only.
         conn.autocommit = True
-        try:
-            row = _conn.run_one(conn, _sql.UNLOCK_ALL_REPORTING, ())
-        finally:
-            if not conn.closed:
-                conn.autocommit = False
-    else:
+    try:
         row = _conn.run_one(conn, _sql.UNLOCK_ALL_REPORTING, ())
+    finally:
+        if flip and not conn.closed:
+            conn.autocommit = False
     held: list[str] = list(row[0] or []) if row else []
     if not held:
         return []
@@ -153,32 +116,19 @@ def release_all(
     believed: list[int] = []
     if state is not None:
         with state.cond:
-            deferred = {_describe(k, s) for k, s in state.deferred}
+            deferred = {f"{k} shared" if s else str(k) for k, s in state.deferred}
             believed = sorted(k for k, h in state.holds.items() if h.owners)
     leaked = [h for h in held if h not in deferred]
     if len(leaked) < len(held):
-        logger.info(
-            "%s released %d deferred advisory lock(s)", source, len(held) - len(leaked)
-        )
+        logger.info("%s released %d deferred advisory lock(s)", source, len(held) - len(leaked))
     if leaked:
+        why = f"pglock handles still believed they held keys {believed}: they will raise LockLost"
         logger.warning(
-            "%s: the connection came back holding %d advisory lock(s), now released: keys %s%s",
-            source,
-            len(leaked),
-            ", ".join(leaked),
-            f" (pglock handles still believed they held keys {believed}: they will raise "
-            "LockLost)"
-            if believed
-            else " (taken outside pglock, e.g. by raw SQL)",
+            "%s: the connection came back holding %d advisory lock(s), now released: keys %s (%s)",
+            source, len(leaked), ", ".join(leaked),
+            why if believed else "taken outside pglock, e.g. by raw SQL",
         )
     return leaked
-
-
-def _describe(key: int, shared: bool) -> str:
-    return f"{key} shared" if shared else str(key)
-
-
-# --- pool_lock -------------------------------------------------------------------------------
 
 
 #: What to use instead, when pool_lock (or a Locker) gets something it cannot check out of.
@@ -207,28 +157,18 @@ class PoolLockOptions(TypedDict, total=False):
 
 
 class PoolLock(BaseLock):
-    """A session advisory lock on a connection checked out of a pool.
+    """A session advisory lock on a connection checked out of a pool: see :func:`pool_lock`.
 
-    Returned by :func:`pool_lock` and :meth:`Locker.lock`. ``with`` (or :meth:`acquire`)
-    checks a connection out, takes the lock, and yields the connection (also
-    :attr:`connection` while held); the exit (or :meth:`release`) finishes the body's
-    transaction (commit on success, rollback if the body raised), releases the lock, and
-    returns the connection. If the release cannot be confirmed the connection is discarded
-    instead, so Postgres drops whatever it held; locks left on it by other handles are released
-    first. A nested block of a name this thread already holds through the same pool raises
-    :class:`pglock.SelfDeadlock`. :meth:`close` cancels a blocked lock statement at once.
+    Returned by :func:`pool_lock` and :meth:`Locker.lock`; ``with`` (or :meth:`acquire`)
+    yields the connection (also :attr:`connection` while held). :meth:`close` cancels a
+    blocked lock statement at once.
 
     Thread safety: one acquisition at a time, released by the thread that took it. Create one
-    per use (they are cheap: no I/O before :meth:`acquire`); ``close()`` may come from any
-    thread.
+    per use (no I/O before :meth:`acquire`); ``close()`` may come from any thread.
     """
 
     def __init__(
-        self,
-        source: object,
-        names: str | Sequence[str],
-        *,
-        shared: bool = False,
+        self, source: object, names: str | Sequence[str], *, shared: bool = False,
         timeout: float | None = None,
     ) -> None:
         self._pairs = normalize_names(names)
@@ -267,12 +207,9 @@ class PoolLock(BaseLock):
         return f"<pglock.PoolLock {self.names!r} {mode} {state}>"
 
     def _not_acquired(self) -> LockNotAcquired:
-        names = self.names
         miss, self._miss = self._miss, None
-        err = LockNotAcquired(
-            names[0] if len(names) == 1 else ", ".join(names),
-            key=self._pairs[0][0] if len(self._pairs) == 1 else None,
-            timeout=self._timeout,
+        err = LockNotAcquired.for_names(
+            self.names, keys=[k for k, _ in self._pairs], timeout=self._timeout,
             message=miss[0] if miss else None,
         )
         if miss:
@@ -306,7 +243,7 @@ class PoolLock(BaseLock):
         self._miss = None
         source: Any = self._given.resolve() if isinstance(self._given, Deferred) else self._given
         kind = self._kind = self._kind or _classify(source)
-        marks = _thread_marks()
+        marks = _pooled.marks
         pool_id = _pool_id(kind, source)
         for k, n in self._pairs:
             if (pool_id, k) in marks:
@@ -315,8 +252,8 @@ class PoolLock(BaseLock):
                 raise SelfDeadlock(n, key=k)
         deadline = _deadline(timeout)
         # An Engine waits for a connection up to its own pool_timeout.
-        psycopg_pool = kind == "psycopg_pool"
-        conn = self._checkout_psycopg(source, timeout) if psycopg_pool else source.connect()
+        pooled = kind == "psycopg_pool"
+        conn = self._checkout_psycopg(source, timeout) if pooled else source.connect()
         if conn is None:
             return False
         with self._mutex:
@@ -349,11 +286,8 @@ class PoolLock(BaseLock):
         try:
             return pool.getconn(timeout=timeout)
         except PoolTimeout as exc:
-            self._miss = (
-                f"could not get a connection from the pool within {timeout:.2f} s "
-                f"to lock {', '.join(self.names)!r}",
-                exc,
-            )
+            text = f"could not get a connection from the pool within {timeout:.2f} s to lock"
+            self._miss = (f"{text} {', '.join(self.names)!r}", exc)
             return None
 
     def _wake(self) -> None:
@@ -374,8 +308,8 @@ class PoolLock(BaseLock):
             pause = min(pause * 2, 0.2)
 
     def release(self) -> None:
-        """Commit the transaction left open on :attr:`connection`, release the lock and give
-        the connection back to its pool (discarded when the release cannot be confirmed).
+        """Commit what :attr:`connection` left open, release the lock and give the connection
+        back to its pool (discarded when the release cannot be confirmed).
 
         :raises RuntimeError: not held.
         :raises pglock.LockLost: the lock was found gone (the connection was discarded).
@@ -385,8 +319,7 @@ class PoolLock(BaseLock):
         self._end(None)
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        # After an explicit release() inside the block there is nothing left to release.
-        if self._conn is not None:
+        if self._conn is not None:  # else released inside the block
             self._end(exc)  # rolls back and never masks the body's exception when it raised
 
     def _end(self, exc: BaseException | None) -> None:
@@ -411,18 +344,12 @@ class PoolLock(BaseLock):
             _end_transaction(kind, conn, commit=body_ok)
         except BaseException as e:
             errors.append(e)
-        discard = False
         try:
             lock.release()
+            discard = not _clean(kind, conn, self.names)
         except BaseException as e:
             discard = True
             errors.append(e)
-        else:
-            try:
-                discard = not _release_leftovers(kind, conn, self.names) or not _idle(kind, conn)
-            except BaseException as e:
-                discard = True
-                errors.append(e)
         if discard:
             raw = _raw(kind, conn)
             if raw is not None:  # handles on it learn why, instead of "the connection closed"
@@ -442,31 +369,23 @@ class PoolLock(BaseLock):
 
 
 def _end_transaction(kind: str, conn: Any, *, commit: bool) -> None:
+    target: Any
     if kind == "psycopg_pool":
-        raw: psycopg.Connection[Any] = conn
-        if raw.closed or raw.broken:
-            return
-        if commit:
-            raw.commit()
-        else:
-            raw.rollback()
-        return
-    if conn.invalidated or conn.closed:
-        return
-    if conn.in_transaction():
-        if commit:
-            conn.commit()
-        else:
-            conn.rollback()
+        target = None if conn.closed or conn.broken else conn
+    elif conn.invalidated or conn.closed:
+        target = None
+    elif conn.in_transaction():
+        target = conn
     else:
         # pglock's own statements ran on the driver connection behind SQLAlchemy's back;
         # make sure nothing of the body's is left open on it.
         raw = _conn._driver_connection(conn)
-        if raw.info.transaction_status in (INTRANS, INERROR):
-            if commit:
-                raw.commit()
-            else:
-                raw.rollback()
+        target = raw if raw.info.transaction_status in (INTRANS, INERROR) else None
+    if target is not None:
+        if commit:
+            target.commit()
+        else:
+            target.rollback()
 
 
 def _raw(kind: str, conn: Any) -> psycopg.Connection[Any] | None:
@@ -480,46 +399,30 @@ def _raw(kind: str, conn: Any) -> psycopg.Connection[Any] | None:
     return None if raw.closed or raw.broken else raw
 
 
-def _release_leftovers(kind: str, conn: Any, names: list[str]) -> bool:
-    """Make sure pglock's bookkeeping shows nothing held on a connection about to go back to
-    its pool.
-
-    The block's own lock is released by then; anything else recorded (a ``pg_lock`` taken on
-    the connection in the block and never released, a release deferred by a failed
-    transaction) is dropped by one statement that releases every advisory lock of the
-    session, with a WARNING, and the handles that still believed they held a lock are marked
-    lost. Returns False when that could not be done: the caller discards the connection."""
+def _clean(kind: str, conn: Any, names: list[str]) -> bool:
+    """True when ``conn`` may go back to its pool: open, idle, nothing in pglock's bookkeeping.
+    Leftovers are released first, with every advisory lock of the session (and a WARNING)."""
     raw = _raw(kind, conn)
     if raw is None:
         return False
     state = _conn.state_for(raw)
     with state.cond:
         leftover = bool(state.holds or state.deferred)
-    if not leftover:
-        return True  # the common case: no SQL
-    if raw.info.transaction_status != IDLE:
-        return False
-    try:
-        release_all(
-            raw,
-            source=f"pool_lock {names!r} (before giving its connection back to the pool)",
-            end_own_transaction=True,
-            lost=_LEFTOVER_LOST.format(names=names),
-        )
-    except (psycopg.Error, LockError):
-        logger.warning(
-            "pool_lock %r could not release the locks left on its connection", names,
-            exc_info=True,
-        )
-        return False
-    return True
-
-
-def _idle(kind: str, conn: Any) -> bool:
-    raw = _raw(kind, conn)
-    if raw is None:
-        return False
-    state = _conn.state_for(raw)
+    if leftover:  # rare: the common case sends no SQL
+        if raw.info.transaction_status != IDLE:
+            return False
+        source = f"pool_lock {names!r} (before giving its connection back to the pool)"
+        lost = _LEFTOVER_LOST.format(names=names)
+        try:
+            release_all(raw, source=source, end_own_transaction=True, lost=lost)
+        except (psycopg.Error, LockError):
+            logger.warning("pool_lock %r could not release the locks left on its connection",
+                           names, exc_info=True)
+            return False
+        raw = _raw(kind, conn)
+        if raw is None:
+            return False
+        state = _conn.state_for(raw)
     with state.cond:
         pending = bool(state.deferred)
     return raw.info.transaction_status == IDLE and not pending
@@ -546,29 +449,11 @@ def pool_lock(
 ) -> PoolLock:
     """Check a connection out of a pool, hold a session lock on it, give it back clean.
 
-    ``with pglock.pool_lock(pool, "report:daily", timeout=5) as conn:`` checks a connection out
-    of ``pool``, takes the session advisory lock with :func:`pglock.pg_lock`, and runs the body
-    with the connection: the psycopg ``Connection`` for a psycopg_pool pool, the SQLAlchemy
-    ``Connection`` for an ``Engine``. At the exit the body's open transaction is committed
-    (rolled back if the body raised), as ``pool.connection()`` and ``engine.begin()`` do, then
-    the lock is released and the connection returned. When the release cannot be confirmed
-    (the connection broke, the session no longer held the lock) the connection is closed
-    (psycopg_pool) or invalidated (SQLAlchemy) instead: it never goes back to the pool holding
-    a lock. A lock that pglock's bookkeeping still shows on the connection after the release
-    (a ``pg_lock`` taken on it in the body and never released) is released with every
-    advisory lock of the session, with a WARNING, and its handle raises
-    :class:`pglock.LockLost`. A release problem after the body raised is logged, never masks
-    the body's error.
-
-    Nesting: inside the block, take further locks on the yielded connection. A nested
-    ``pool_lock`` (or ``Locker.lock``, a pooled ``rwlock``) of a name this thread already
-    holds through the same pool would wait for itself on another pooled connection: it raises
-    :class:`pglock.SelfDeadlock` at once, before any checkout or SQL, whatever its timeout
-    and mode. Other threads wait for each other as usual.
-
-    The object follows the lock contract (docs/locks.md): ``acquire()`` / ``release()`` work
-    like the ``with`` block (the connection is :attr:`PoolLock.connection` meanwhile), and
-    ``close()`` from another thread cancels a waiting lock statement at once.
+    ``with`` yields the connection holding the lock (psycopg's, or SQLAlchemy's for an
+    ``Engine``); at the exit the body's transaction is committed (rolled back if it raised),
+    the lock released and the connection returned, or discarded when the release cannot be
+    confirmed. The object follows the lock contract (docs/locks.md); step by step, timeouts
+    and nesting: docs/pools.md.
 
     :param pool_or_engine: a ``psycopg_pool.ConnectionPool`` (or ``NullConnectionPool``) or a
         SQLAlchemy ``Engine`` using the psycopg driver.
@@ -576,20 +461,14 @@ def pool_lock(
     :param options: keyword-only, the same for :meth:`Locker.lock` (``PoolLockOptions``):
 
         * ``shared`` (default False): take a shared (read) lock;
-        * ``timeout`` (default None): the default of :meth:`PoolLock.acquire` and of ``with``.
-          ``None`` waits until acquired; ``0`` tries the lock once; ``> 0`` bounds the
-          whole wait, checkout included: for a psycopg_pool pool, ``getconn`` gets that budget
-          and the lock what is left of it; an Engine waits for a connection up to its own
-          ``pool_timeout`` and the time spent counts against ``timeout``. With ``None`` or
-          ``0`` the checkout waits as the pool is configured to (``PoolTimeout`` /
-          ``sqlalchemy.exc.TimeoutError`` as usual).
+        * ``timeout`` (default None): the default of ``acquire()`` and ``with``; ``> 0``
+          bounds the whole wait, checkout included (with ``None`` or ``0`` the checkout waits
+          as the pool is configured to).
     :raises pglock.LockNotAcquired: not acquired within ``timeout`` (or, for a psycopg_pool
         pool and ``timeout > 0``, no connection within it).
     :raises pglock.UnsupportedServer: a hot standby, or a transaction-mode pooler in between.
-    :raises pglock.SelfDeadlock: this thread already holds one of the names through this
-        pool (at ``with``).
-    :raises pglock.LockLost: at the exit, when the lock was found gone (the connection was
-        discarded).
+    :raises pglock.SelfDeadlock: this thread already holds one of the names through this pool.
+    :raises pglock.LockLost: at the exit, the lock was found gone (the connection discarded).
     :raises TypeError: not a supported pool, engine or driver; bad names or timeout.
 
     Example::

@@ -1,11 +1,5 @@
-"""Read-write locks: many readers or one writer, on Postgres shared/exclusive advisory locks.
-
-A reader takes the session advisory lock on ``key(name)`` in shared mode, a writer in
-exclusive mode, through :func:`pglock.pg_lock` (a connection in hand) or
-:func:`pglock.pool_lock` (a pool or engine). The fairness is Postgres's lock queue: a request
-that conflicts with a *waiting* request queues behind it, so a reader that arrives while a
-writer waits does not overtake it, and a steady stream of readers cannot starve a writer.
-"""
+"""Read-write locks: shared (read) or exclusive (write) session advisory locks on ``key(name)``,
+on a connection or through a pool; Postgres's queue keeps writers from starving (docs/rwlock.md)."""
 
 from __future__ import annotations
 
@@ -27,19 +21,17 @@ else:  # pragma: no cover - Python 3.10
     from typing_extensions import Unpack
 
 
+_NOT_A_DSN = {
+    Kind.DSN: "a lock lives on a connection; pass a connection or a pool, or use "
+    "pglock.Locker(dsn), which keeps a pool"
+}
+
+
 def _classify(source: object) -> str:
     """``"conn"`` (lock on this connection) or ``"pool"`` (check one out); no I/O."""
     if isinstance(source, Deferred):  # a Locker's pool
         return "pool"
-    kind = classify(
-        source,
-        HELD | {Kind.POOL, Kind.ENGINE},
-        api="rwlock",
-        hints={
-            Kind.DSN: "a lock lives on a connection; pass a connection or a pool, or use "
-            "pglock.Locker(dsn), which keeps a pool"
-        },
-    )
+    kind = classify(source, HELD | {Kind.POOL, Kind.ENGINE}, api="rwlock", hints=_NOT_A_DSN)
     if kind in HELD:
         return "conn"
     _pool._classify(source, "rwlock")  # the driver of an Engine
@@ -55,10 +47,8 @@ class RWLockOptions(TypedDict, total=False):
 class RWHold(BaseLock):
     """The read or the write lock of an :class:`RWLock`: ``rw.read()``, ``rw.write()``.
 
-    ``with`` (or :meth:`acquire`) takes it and yields the connection holding it (also
-    :attr:`connection`); through a pool the connection is checked out for the hold and goes
-    back at the release, as with :func:`pglock.pool_lock` (whose transaction rules apply).
-    :meth:`close` wakes a thread blocked in :meth:`acquire` at once.
+    ``with`` (or :meth:`acquire`) yields the connection holding it (also :attr:`connection`);
+    through a pool it is checked out for the hold, as with :func:`pglock.pool_lock`.
 
     Thread safety: one acquisition at a time, by one thread; ``close()`` from any thread.
     """
@@ -107,32 +97,28 @@ class RWHold(BaseLock):
         self._inner.release()
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        # The inner lock's exit: through a pool it rolls back the body's transaction when the
-        # body raised; after an explicit release() it does nothing.
+        # Through a pool the inner exit rolls back when the body raised.
         if self._inner is not None:
             self._inner.__exit__(exc_type, exc, tb)
 
     def _outstanding(self) -> bool:
-        inner = self._inner
-        if isinstance(inner, BaseLock):
-            return inner._outstanding()
-        return inner is not None and inner._owner is not None
+        return self._inner is not None and self._inner._outstanding()
 
     def _not_acquired(self) -> LockNotAcquired:
         if isinstance(self._inner, PoolLock):
             return self._inner._not_acquired()
-        return LockNotAcquired(self._rw.name, key=self._rw.key, timeout=self._timeout)
+        rw = self._rw
+        return LockNotAcquired.for_names([rw.name], keys=[rw.key], timeout=self._timeout)
 
     def _entered(self) -> Any:
         return self.connection
 
     def _waiters(self) -> Waiters:
         # The inner lock's waiters: close() marks the wait that the inner lock runs.
-        inner = self._inner
-        return inner._waiters() if isinstance(inner, BaseLock) else super()._waiters()
+        return super()._waiters() if self._inner is None else self._inner._waiters()
 
     def _wake(self) -> None:
-        if isinstance(self._inner, BaseLock):
+        if self._inner is not None:
             self._inner._wake()
 
 
@@ -140,19 +126,11 @@ class RWLock:
     """A read-write lock on ``name``: ``with rw.read():`` shares it with other readers,
     ``with rw.write():`` excludes everyone.
 
-    :meth:`read` and :meth:`write` return lock objects (:class:`RWHold`) with the usual
-    ``acquire()`` / ``release()`` / ``locked`` / ``close()``. Their ``with`` yields the
-    connection holding the lock: the connection you passed, or the one checked out of the pool
-    (returned at the end of the block, as in :func:`pool_lock`).
-
-    Writers are not starved: Postgres queues a read request behind a waiting write request.
-    On one connection, re-entry from a thread is counted (a read inside that thread's write is
-    a re-entry); asking to write while the same thread reads raises :class:`pglock.LockError`
-    (no upgrade: two readers upgrading would deadlock). Through a pool, any nesting of the
-    same name by the same thread (read or write, and with :func:`pool_lock` or
-    :meth:`Locker.lock` on the same pool) raises :class:`pglock.SelfDeadlock` at once, since
-    it would wait on itself on another pooled connection; use the connection the outer block
-    yielded instead.
+    :meth:`read` and :meth:`write` return lock objects (:class:`RWHold`) whose ``with`` yields
+    the connection holding the lock: the one you passed, or one checked out of the pool (as in
+    :func:`pool_lock`). Writers are not starved. On one connection a thread's re-entry is
+    counted and an upgrade raises :class:`pglock.LockError`; through a pool any nesting of the
+    name by one thread raises :class:`pglock.SelfDeadlock` (docs/rwlock.md).
 
     Thread safety: an ``RWLock`` may be shared by threads; each ``read()``/``write()`` call
     returns a lock object for one thread.

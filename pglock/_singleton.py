@@ -1,13 +1,5 @@
-"""Singleton jobs: run a function only where no other process is running it.
-
-The "singleton cron job" pattern: every instance of an application fires the same scheduled
-job; the one that gets the exclusive advisory lock on the job's name runs it, the others skip
-(or wait up to a timeout). The lock is a session lock held for the run: a crashed runner's
-lock goes with its session, so the next trigger runs.
-
-This excludes *concurrent* runs. It does not make a job run once per period: an instance
-whose trigger fires after the first run finished gets the lock and runs again. Record the run
-inside the job (see docs/singleton.md) when the period matters.
+"""Singleton jobs: run a function only where no other process is running it, under a session
+lock held for the run. It excludes concurrent runs, not a second run per period (docs/singleton.md).
 """
 
 from __future__ import annotations
@@ -48,15 +40,11 @@ class Singleton(BaseLock):
     Made by :func:`pglock.singleton` and :meth:`pglock.Locker.singleton`. The decorated
     function returns its result when it ran, and ``None`` when the lock was held elsewhere
     (logged at INFO on ``pglock.singleton``). :meth:`run` is the same without decorating.
-
-    It is also a lock object: ``acquire()`` / ``release()`` / ``locked`` and ``with`` (which
-    raises :class:`pglock.LockNotAcquired` when the job runs elsewhere) hold the same lock
-    around code of your own; ``close()`` wakes the threads waiting for it, in ``acquire()``,
-    ``with`` or a run (which then skips the job).
+    It is also a lock object (docs/locks.md) holding the same lock around code of your own;
+    ``close()`` also wakes the runs waiting for it (which then skip the job).
 
     Thread safety: shareable; each run takes its own lock (threads of one process exclude
-    each other too). ``acquire()`` / ``release()`` on the object are one acquisition at a
-    time, by one thread.
+    each other too). ``acquire()`` / ``release()`` are one acquisition at a time, by one thread.
     """
 
     def __init__(self, source: object, name: str, *, timeout: float | None = 0) -> None:
@@ -73,8 +61,6 @@ class Singleton(BaseLock):
 
     def __repr__(self) -> str:
         return f"<pglock.Singleton {self.name!r} timeout={self._timeout}>"
-
-    # -- the lock contract: the object's own hold -------------------------------------------
 
     @property
     def locked(self) -> bool:
@@ -116,8 +102,6 @@ class Singleton(BaseLock):
         for hold in runs:
             hold.close()
 
-    # -- the job ---------------------------------------------------------------------------
-
     def __call__(self, fn: Callable[P, R]) -> Callable[P, R | None]:
         if not callable(fn):
             raise TypeError(f"singleton decorates a callable, not {type(fn).__name__}")
@@ -133,6 +117,7 @@ class Singleton(BaseLock):
         without calling it when the lock stays held elsewhere for ``timeout`` (or
         :meth:`close` woke the wait)."""
         hold = self._rw.write(self._timeout)
+        what = getattr(fn, "__qualname__", repr(fn))
         with contextlib.ExitStack() as stack:
             with self._mutex:
                 self._runs.add(hold)
@@ -140,15 +125,11 @@ class Singleton(BaseLock):
             try:
                 stack.enter_context(hold)
             except LockNotAcquired:
-                logger.info(
-                    "skipped %s: singleton lock %r is held elsewhere%s",
-                    getattr(fn, "__qualname__", repr(fn)),
-                    self.name,
-                    "" if not self._timeout else f" (waited {self._timeout:.2f} s)",
-                )
+                waited = "" if not self._timeout else f" (waited {self._timeout:.2f} s)"
+                logger.info("skipped %s: singleton lock %r is held elsewhere%s", what, self.name,
+                            waited)
                 return None
-            logger.debug("running %s under singleton lock %r",
-                         getattr(fn, "__qualname__", repr(fn)), self.name)
+            logger.debug("running %s under singleton lock %r", what, self.name)
             return fn(*args, **kwargs)
         raise AssertionError("unreachable")  # pragma: no cover - ExitStack does not swallow
 
