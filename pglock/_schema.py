@@ -124,7 +124,7 @@ def install(target: str | psycopg.Connection[Any], *, schema: str = DEFAULT_SCHE
 
     Example::
 
-        pglock._schema.install("postgresql://app@db/app", schema="pglock")
+        pglock.install("postgresql://app@db/app", schema="pglock")
     """
     schema = validate_schema(schema)
     plan = revisions()
