@@ -1,12 +1,6 @@
 """Alembic integration: serialize concurrent ``alembic upgrade`` runs with an advisory lock.
 
-When several instances of an application start at once and each runs its migrations,
-:func:`migration_lock` in the project's ``env.py`` lets one of them migrate while the others
-wait, then find nothing left to do. The lock is a session advisory lock held on a dedicated
-connection, not on the migration connection, so a revision may commit on its own
-(``op.get_context().autocommit_block()``, ``CREATE INDEX CONCURRENTLY``) without releasing it.
-
-The copy-paste ``env.py`` snippet is in docs/alembic.md.
+Why a dedicated connection and polling waiters, and the ``env.py`` snippet: docs/alembic.md.
 """
 
 from __future__ import annotations
@@ -34,10 +28,7 @@ _MAX_POLL = 1.0
 
 
 def migration_lock(
-    connection_or_url: object,
-    name: str = "alembic-migrations",
-    *,
-    timeout: float | None = None,
+    connection_or_url: object, name: str = "alembic-migrations", *, timeout: float | None = None
 ) -> contextlib.AbstractContextManager[None]:
     """Hold a session advisory lock on a dedicated connection while migrations run.
 
@@ -50,13 +41,8 @@ def migration_lock(
                     context.run_migrations()
 
     Take the lock before opening the migration connection, so that a process that waits has
-    not read the current revision yet: it reads it once the first process is done.
-
-    The waiting side polls (``pg_try_advisory_lock`` every 50 ms growing to 1 s) instead of
-    blocking in ``pg_advisory_lock``: a blocked statement holds a snapshot, and
-    ``CREATE INDEX CONCURRENTLY`` in the running migration waits for every older snapshot in
-    the database, which would deadlock with the waiters. Advisory locks are per database, so
-    migrations of different databases do not wait for each other.
+    not read the current revision yet. Waiters poll (50 ms growing to 1 s) rather than block,
+    so that they hold no snapshot that ``CREATE INDEX CONCURRENTLY`` would wait for.
 
     :param connection_or_url: where to open the dedicated connection: a SQLAlchemy ``Engine``
         or ``Connection`` (its engine checks out another connection when it uses the psycopg
@@ -73,8 +59,7 @@ def migration_lock(
     """
     validate_name(name)
     t = validate_timeout(timeout)
-    opener = _opener(connection_or_url)
-    return _hold(opener, name, t)
+    return _hold(_opener(connection_or_url), name, t)
 
 
 # An opener returns (connection for pglock, close(discard: bool)).
@@ -172,7 +157,7 @@ def _wait(lock: PgLock, name: str, timeout: float | None) -> None:
     while not lock.acquire(blocking=False):
         now = time.monotonic()
         if deadline is not None and now >= deadline:
-            raise LockNotAcquired(name, key=lock.keys[0], timeout=timeout)
+            raise LockNotAcquired.for_names([name], keys=[lock.keys[0]], timeout=timeout)
         if not announced:
             logger.info("waiting for migration lock %r: another process is migrating", name)
             announced = True
