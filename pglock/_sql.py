@@ -1,11 +1,8 @@
 """Every SQL statement pglock sends from Python, each under its own name.
 
-Two styles: fixed text (module-level constants, with ``%s`` parameters where values vary) for
-statements where no identifier varies, which psycopg caches and prepares; :mod:`psycopg.sql`
-composition where the schema varies (rendered once per schema where the path is hot) and for
-batches of several statements, which travel in one simple-query round trip and so carry their
-values as literals (advisory-lock keys are Python ints computed by pglock, never user text).
-The PL/pgSQL functions these statements call are in ``pglock/sql/*.sql``.
+Fixed text with ``%s`` parameters where no identifier varies (psycopg caches and prepares it);
+:mod:`psycopg.sql` composition where the schema varies, and for batches of statements, which
+travel as one simple query with their values as literals. The PL/pgSQL is in ``pglock/sql/``.
 """
 
 from __future__ import annotations
@@ -30,17 +27,13 @@ _LOCK_FUNCS = {
     (True, True, True): "pg_try_advisory_xact_lock_shared",
 }
 
-# Single-key statements as fixed, parameterized text: psycopg caches their conversion and
-# prepares them after a few executions, so the common uncontended cycle costs exactly what the
-# raw statements cost. (transaction-level, shared, try) -> query
-LOCK_ONE = {
-    flags: f"SELECT pg_catalog.{func}(%s)"
-    for flags, func in _LOCK_FUNCS.items()
-}
-UNLOCK_ONE = {
-    False: "SELECT pg_catalog.pg_advisory_unlock(%s)",
-    True: "SELECT pg_catalog.pg_advisory_unlock_shared(%s)",
-}
+# shared -> Postgres function
+_UNLOCK_FUNCS = {False: "pg_advisory_unlock", True: "pg_advisory_unlock_shared"}
+
+# Fixed text, so that psycopg prepares it: the uncontended cycle costs what raw SQL costs.
+# (transaction-level, shared, try) -> query
+LOCK_ONE = {flags: f"SELECT pg_catalog.{func}(%s)" for flags, func in _LOCK_FUNCS.items()}
+UNLOCK_ONE = {shared: f"SELECT pg_catalog.{func}(%s)" for shared, func in _UNLOCK_FUNCS.items()}
 # The same for several keys (sorted by the caller), as one array parameter: unnest() yields them
 # in order and the function runs once per row in scan order. Session-level only.
 # (shared, try) -> query; try-locks return (key, granted) rows.
@@ -55,25 +48,17 @@ LOCK_MANY = {
     if not xact
 }
 UNLOCK_MANY = {
-    False: "SELECT bool_and(pg_catalog.pg_advisory_unlock(k)) FROM unnest(%s::bigint[]) AS k",
-    True: "SELECT bool_and(pg_catalog.pg_advisory_unlock_shared(k))"
-    " FROM unnest(%s::bigint[]) AS k",
+    shared: f"SELECT bool_and(pg_catalog.{func}(k)) FROM unnest(%s::bigint[]) AS k"  # noqa: S608
+    for shared, func in _UNLOCK_FUNCS.items()
 }
-
 
 
 def _names_schema(schema: str, privilege: str) -> sql.Composed:
     """``schema`` when its name registry may be used this way by the current role, else NULL.
 
-    An INSERT runs the table's triggers (and rules) as the inserting role and a read applies
-    its row-security policies, so pglock uses only a table it can trust:
-    ``<schema>.lock_names``, a plain table carrying pglock's comment, with no trigger, rule or
-    row security, owned by the owner of the schema, who is the current role, a role it is a
-    member of, a superuser or the database owner. A superuser counts only itself, superusers
-    and the database owner: ``pg_has_role`` says a superuser is a member of every role,
-    including one that planted a schema called ``pglock``. Then the privileges: USAGE on the
-    schema and ``privilege`` on the table. One catalog lookup (``to_regclass`` would raise
-    without USAGE on the schema; ``obj_description()`` costs four times this subquery)."""
+    Only a table pglock can trust (docs/guarantees.md, "The name registry is pglock's own").
+    One catalog lookup: ``to_regclass`` would raise without USAGE on the schema, and
+    ``obj_description()`` costs four times this subquery."""
     return sql.SQL(
         "(SELECT n.nspname::text FROM pg_catalog.pg_namespace n"
         " JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid"
@@ -104,14 +89,13 @@ def _names_schema(schema: str, privilege: str) -> sql.Composed:
 # transactions apart by it) and the lock result. Pre-rendered: only the int key varies, and
 # composing this with psycopg.sql on every call cost more CPU than the round trip.
 _XACT_ONE = {
-    flags: (
+    (shared, try_): (
         'SAVEPOINT "_pglock_acquire"; '
         f"SELECT pg_catalog.transaction_timestamp(), pg_catalog.{func}(%d); "
         'RELEASE SAVEPOINT "_pglock_acquire"'
     )
-    for (xact, *mode), func in _LOCK_FUNCS.items()
+    for (xact, shared, try_), func in _LOCK_FUNCS.items()
     if xact
-    for flags in [(mode[0], mode[1])]  # (shared, try)
 }
 
 
@@ -177,14 +161,11 @@ def register_names(
         )
         for k, n in pairs
     )
+    off = " PERFORM pg_catalog.set_config('synchronous_commit', 'off', true);"
     return sql.SQL(_REGISTER).format(
         table=sql.Identifier(schema, NAMES_TABLE),
         values=values,
-        asynchronous=sql.SQL(
-            " PERFORM pg_catalog.set_config('synchronous_commit', 'off', true);"
-            if asynchronous
-            else ""
-        ),
+        asynchronous=sql.SQL(off if asynchronous else ""),
     )
 
 # Identifies the current transaction (its start time): transaction locks taken in it by one
@@ -195,20 +176,12 @@ TRANSACTION_START = sql.SQL("SELECT pg_catalog.transaction_timestamp()")
 def held_in_transaction(keys: Sequence[int]) -> sql.Composed:
     """The current transaction's start, and which of ``keys`` this session holds (any mode).
 
-    Sent only when another thread's record of a transaction lock conflicts with a request on
-    the same connection (never on the uncontended path): the record may have outlived its lock
-    (a rolled-back savepoint releases the transaction locks taken inside it). Inside pglock's
-    savepoint, so a failure leaves the caller's transaction usable."""
+    Checks whether another thread's record of a transaction lock outlived it (a rolled-back
+    savepoint releases the locks taken inside), in a savepoint of pglock's own."""
     return sql.SQL(
-        "SAVEPOINT {sp}; "
-        "SELECT pg_catalog.transaction_timestamp(), ARRAY("
-        "SELECT k FROM unnest({keys}) AS k WHERE EXISTS ("
-        " SELECT 1 FROM pg_catalog.pg_locks l"
-        " WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid()"
-        " AND l.granted AND l.objsubid = 1"
-        " AND ((l.classid::bigint << 32) | l.objid::bigint) = k)); "
+        "SAVEPOINT {sp}; SELECT pg_catalog.transaction_timestamp(), ARRAY({held}); "
         "RELEASE SAVEPOINT {sp}"
-    ).format(sp=SAVEPOINT_NAME, keys=_keys_array(keys))
+    ).format(sp=SAVEPOINT_NAME, held=_held(keys, sql.SQL("")))
 
 # --- introspection (pglock._inspect) ---------------------------------------------------
 
@@ -322,9 +295,7 @@ def lock(keys: Sequence[int], *, shared: bool, xact: bool, try_: bool) -> sql.Co
 
 def unlock(keys: Sequence[int], *, shared: bool) -> sql.Composed:
     """Release session locks; returns one row: were all of them held?"""
-    func = sql.Identifier(
-        "pg_catalog", "pg_advisory_unlock_shared" if shared else "pg_advisory_unlock"
-    )
+    func = sql.Identifier("pg_catalog", _UNLOCK_FUNCS[shared])
     if len(keys) == 1:
         return sql.SQL("SELECT {}({})").format(func, sql.Literal(keys[0]))
     return sql.SQL("SELECT bool_and({}(k)) FROM unnest({}) AS k").format(func, _keys_array(keys))
@@ -333,11 +304,8 @@ def unlock(keys: Sequence[int], *, shared: bool) -> sql.Composed:
 def set_local_timeouts(timeout_ms: int, *, several: bool) -> sql.Composed:
     """Bound the next statement's lock waits, and for ``several`` keys the statement itself.
 
-    A shorter ``statement_timeout`` of the caller's must not cut the requested wait short, so
-    it is always replaced. One key has one wait, which ``lock_timeout`` bounds alone: there
-    ``statement_timeout`` is off, since until pglock restores the caller's settings it bounds
-    pglock's own statements too, and a server that stalls after the grant would otherwise
-    abort the caller's transaction. Several keys wait several times: it bounds their total."""
+    The caller's ``statement_timeout`` is always replaced: for one key by 0, since until pglock
+    restores it, it would also bound pglock's own statements after the grant."""
     value = sql.Literal(f"{timeout_ms}ms")
     return sql.SQL("SET LOCAL lock_timeout = {}; SET LOCAL statement_timeout = {}").format(
         value, value if several else sql.Literal("0")
@@ -374,21 +342,24 @@ def held_advisory(keys: Sequence[int], *, shared: bool) -> sql.Composed:
     A backend is connected to one database, so its pid alone identifies its locks: no lookup
     of pg_database, a shared catalog whose lock would need a slot in a lock table that may be
     full (this runs after "out of shared memory", among other failures)."""
+    mode = sql.Literal("ShareLock" if shared else "ExclusiveLock")
+    return _held(keys, sql.SQL(" AND l.mode = {}").format(mode))
+
+
+def _held(keys: Sequence[int], mode: sql.Composable) -> sql.Composed:
     return sql.SQL(
         "SELECT k FROM unnest({keys}) AS k WHERE EXISTS ("
         " SELECT 1 FROM pg_catalog.pg_locks l"
         " WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid()"
-        " AND l.granted AND l.objsubid = 1 AND l.mode = {mode}"
+        " AND l.granted AND l.objsubid = 1{mode}"
         " AND ((l.classid::bigint << 32) | l.objid::bigint) = k)"
-    ).format(keys=_keys_array(keys), mode=sql.Literal("ShareLock" if shared else "ExclusiveLock"))
+    ).format(keys=_keys_array(keys), mode=mode)
 
 
 def unlock_if_held(keys: Sequence[int], *, shared: bool) -> sql.Composed:
     """Undo a session lock that Postgres granted although the attempt failed (timeout race,
     cancel, partial multi-key acquisition). Unlocks only keys that pg_locks shows as held."""
-    func = sql.Identifier(
-        "pg_catalog", "pg_advisory_unlock_shared" if shared else "pg_advisory_unlock"
-    )
+    func = sql.Identifier("pg_catalog", _UNLOCK_FUNCS[shared])
     return sql.SQL("WITH held AS MATERIALIZED ({}) SELECT k, {}(k) FROM held").format(
         held_advisory(keys, shared=shared), func
     )
@@ -419,21 +390,15 @@ UNLOCK_ALL_REPORTING = (
 def leader_session_setup(
     keepalives_idle: int, keepalives_interval: int, keepalives_count: int, user_timeout_ms: int
 ) -> sql.Composed:
-    """Session settings of a leader's dedicated connection.
-
-    The server-side TCP keepalives make the server end a silently vanished leader's session
-    (and so its lock) within about the same time the leader needs to notice; statement and
-    idle timeouts configured for the role must not cut the campaign's waits."""
+    """Session settings of a leader's dedicated connection: server-side TCP keepalives end a
+    vanished leader's session (and lock) about when the leader notices, and the role's
+    statement and idle timeouts must not cut the campaign's waits."""
+    settings = (keepalives_idle, keepalives_interval, keepalives_count, user_timeout_ms)
     return sql.SQL(
         "SET tcp_keepalives_idle = {}; SET tcp_keepalives_interval = {}; "
         "SET tcp_keepalives_count = {}; SET tcp_user_timeout = {}; "
         "SET statement_timeout = 0; SET idle_in_transaction_session_timeout = 0"
-    ).format(
-        sql.Literal(keepalives_idle),
-        sql.Literal(keepalives_interval),
-        sql.Literal(keepalives_count),
-        sql.Literal(user_timeout_ms),
-    )
+    ).format(*map(sql.Literal, settings))
 
 
 LEADER_SESSION = (
@@ -500,22 +465,13 @@ def semaphore_acquire(
     """One row: granted, held (live permits after the call), retry_in (seconds until the
     earliest live permit expires, when refused). A grant is committed durably even where
     ``synchronous_commit`` is off (the function turns it off for a refusal)."""
+    args = (name, limit, holder, permits, ttl, metadata_json, wait)
     return sql.SQL(
         "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL synchronous_commit = on; "
         "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; "
-        "SELECT granted, max_permits, held, retry_in FROM {s}.semaphore_acquire("
-        "{name}::text, {limit}::integer, {holder}::text, {permits}::integer, {ttl}::float8, "
-        "{metadata}::jsonb, {wait}::boolean); COMMIT"
-    ).format(
-        s=sql.Identifier(schema),
-        name=sql.Literal(name),
-        limit=sql.Literal(limit),
-        holder=sql.Literal(holder),
-        permits=sql.Literal(permits),
-        ttl=sql.Literal(ttl),
-        metadata=sql.Literal(metadata_json),
-        wait=sql.Literal(wait),
-    )
+        "SELECT granted, max_permits, held, retry_in FROM {}.semaphore_acquire("
+        "{}::text, {}::integer, {}::text, {}::integer, {}::float8, {}::jsonb, {}::boolean); COMMIT"
+    ).format(sql.Identifier(schema), *map(sql.Literal, args))
 
 
 def semaphore_extend(
@@ -526,14 +482,8 @@ def semaphore_extend(
     ``synchronous_commit`` is off: after a crash the server must not believe a permit ends
     sooner than its holder does."""
     renew = sql.SQL(" UNION ALL ").join(
-        sql.SQL(
-            "SELECT holder FROM {s}.semaphore_extend("
-            "{name}::text, {holders}::text[], {ttl}::float8)"
-        ).format(
-            s=sql.Identifier(schema),
-            name=sql.Literal(name),
-            holders=sql.Literal(list(holders)),
-            ttl=sql.Literal(ttl),
+        sql.SQL("SELECT holder FROM {}.semaphore_extend({}::text, {}::text[], {}::float8)").format(
+            sql.Identifier(schema), sql.Literal(name), sql.Literal(list(holders)), sql.Literal(ttl)
         )
         for name, holders, ttl in permits
     )
@@ -623,10 +573,8 @@ def lease_list(schema: str) -> sql.Composed:
 
 
 # A lease statement that failed with a serialization failure or a deadlock (possible under a
-# REPEATABLE READ or SERIALIZABLE default isolation), or that the session's own
-# statement_timeout or lock_timeout cut short, is sent again inside these: at READ COMMITTED its
-# row locks and reads see the latest commits, so it cannot fail that way again, and the
-# session's timeouts are off for it (the statement's client-side deadline bounds it instead).
+# stricter default isolation), or that the session's own timeouts cut short, is sent again in
+# these: at READ COMMITTED it sees the latest commits, and a client-side deadline bounds it.
 LEASE_RETRY_BEGIN = (
     "BEGIN ISOLATION LEVEL READ COMMITTED;"
     " SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0"
