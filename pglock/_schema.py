@@ -1,26 +1,26 @@
-"""The pglock schema: the shipped revisions and the programmatic install.
+"""The pglock schema: the shipped revisions and :func:`install` (what ``pglock install`` runs).
 
-:func:`install` is what ``pglock install`` runs: every shipped revision the database lacks, in
-one transaction, under the advisory lock the revisions take under Alembic too
-(``_contract.install_lock_key``). Revisions record themselves in ``<schema>.schema_revision``
-and are idempotent, so a schema installed here can later be adopted by the user's Alembic.
+Revisions take the install lock and record themselves in ``<schema>.schema_revision`` under
+Alembic too, so a schema installed here can later be adopted by the user's Alembic.
 """
 
 from __future__ import annotations
 
 import importlib
-import threading
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
 
 import psycopg
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from . import _conn, _sql
 from ._classify import Kind, classify
 from ._contract import DEFAULT_SCHEMA, install_lock_key, validate_schema
+from ._deadline import connect_extra
 from .migrations import VERSIONS_DIR
 
 # --- the shipped revisions ------------------------------------------------------------------
@@ -45,17 +45,9 @@ class Revision:
         return statements
 
 
-_revisions: list[Revision] | None = None
-_revisions_lock = threading.Lock()
-
-
 def revisions() -> list[Revision]:
     """The shipped revisions, from the root of the ``pglock`` branch to its head."""
-    global _revisions
-    with _revisions_lock:
-        if _revisions is None:
-            _revisions = _load_revisions()
-        return list(_revisions)
+    return list(_load_revisions())
 
 
 def head() -> str:
@@ -63,7 +55,8 @@ def head() -> str:
     return revisions()[-1].revision
 
 
-def _load_revisions() -> list[Revision]:
+@cache
+def _load_revisions() -> tuple[Revision, ...]:
     by_down: dict[str | None, Revision] = {}
     for path in sorted(Path(VERSIONS_DIR).glob("*.py")):
         if path.name.startswith("__"):
@@ -91,7 +84,7 @@ def _load_revisions() -> list[Revision]:
         raise RuntimeError("some pglock revisions are not reachable from the root revision")
     if not ordered:
         raise RuntimeError(f"no pglock revisions found in {VERSIONS_DIR}")
-    return ordered
+    return tuple(ordered)
 
 
 # --- install ----------------------------------------------------------------------------------
@@ -119,8 +112,7 @@ def install(target: str | psycopg.Connection[Any], *, schema: str = DEFAULT_SCHE
     :raises TypeError, ValueError: a bad schema name or target, before any SQL.
     :raises psycopg.Error: the database refused (no privilege, unreachable server, ...).
 
-    Safe to run concurrently: installs of one schema serialize on an advisory lock, and each
-    applies only what the previous ones left to do.
+    Safe to run concurrently: installs of one schema serialize on an advisory lock.
 
     Example::
 
@@ -129,17 +121,13 @@ def install(target: str | psycopg.Connection[Any], *, schema: str = DEFAULT_SCHE
     schema = validate_schema(schema)
     plan = revisions()
     if classify(target, (Kind.DSN, Kind.CONNECTION), api="install()") is Kind.DSN:
-        if not cast(str, target).strip():
-            raise ValueError("the DSN must not be empty")
-        from psycopg.conninfo import make_conninfo
-
-        from ._deadline import connect_extra
-
         dsn = cast(str, target)
+        if not dsn.strip():
+            raise ValueError("the DSN must not be empty")
         with psycopg.connect(make_conninfo(dsn, **connect_extra(dsn)), autocommit=True) as conn:
             return _install(conn, schema, plan)
     target = cast("psycopg.Connection[Any]", target)
-    if target.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+    if target.info.transaction_status != _conn.IDLE:
         raise ValueError("install() needs an idle connection (commit or roll back first)")
     return _install(target, schema, plan)
 
