@@ -151,10 +151,8 @@ def register_names(
     schema: str, pairs: Sequence[tuple[int, str]], *, asynchronous: bool
 ) -> sql.Composed:
     """Record ``(key, name)`` pairs in the name registry; never raises, returns no rows.
-
-    ``asynchronous`` commits without waiting for the WAL flush (``synchronous_commit = off``
-    for the rest of the transaction): only for a transaction of pglock's own, never the
-    caller's. A registration lost in a server crash is sent again by the next process."""
+    ``asynchronous`` (only in pglock's own transaction) turns ``synchronous_commit`` off: a
+    registration lost in a server crash is sent again by the next process."""
     values = sql.SQL(", ").join(
         sql.SQL("({}, pg_catalog.convert_from(pg_catalog.decode({}, 'hex'), 'UTF8'))").format(
             sql.Literal(k), sql.Literal(n.encode("utf-8").hex())
@@ -236,10 +234,8 @@ _ADVISORY_KEY = sql.SQL("((l.classid::bigint << 32) | l.objid::bigint)")
 def advisory_locks(
     keys: Sequence[int] | None, *, names_schema: str | None, waitstart: bool
 ) -> sql.Composed:
-    """Advisory locks in the current database: holders and waiters, with their sessions.
-
-    ``names_schema`` is where the name registry is (None: no names); ``waitstart`` reads
-    ``pg_locks.waitstart`` (PostgreSQL 14+)."""
+    """Advisory locks in the current database: holders and waiters, with their sessions, named
+    from ``names_schema``'s registry; ``waitstart`` reads ``pg_locks.waitstart`` (PG 14+)."""
     key_filter: sql.Composable = sql.SQL("")
     if keys is not None:
         key_filter = sql.SQL(" AND l.objsubid = 1 AND {} = ANY({})").format(
@@ -337,11 +333,9 @@ def restore_timeouts(lock_timeout: str, statement_timeout: str) -> sql.Composed:
 
 
 def held_advisory(keys: Sequence[int], *, shared: bool) -> sql.Composed:
-    """The subset of ``keys`` this session holds in pg_locks in the given mode.
-
-    A backend is connected to one database, so its pid alone identifies its locks: no lookup
-    of pg_database, a shared catalog whose lock would need a slot in a lock table that may be
-    full (this runs after "out of shared memory", among other failures)."""
+    """The subset of ``keys`` this session holds in pg_locks in the given mode. By pid alone: a
+    pg_database lookup would need a slot in a lock table that may be full (this runs after
+    "out of shared memory", among other failures)."""
     mode = sql.Literal("ShareLock" if shared else "ExclusiveLock")
     return _held(keys, sql.SQL(" AND l.mode = {}").format(mode))
 
@@ -408,10 +402,8 @@ LEADER_SESSION = (
 
 
 def new_term(server_version: int) -> sql.Composed:
-    """A number larger than every term handed out before: the 64-bit id of a transaction that
-    starts after the lock was won. Transaction ids are assigned in increasing order and never
-    wrap in their 64-bit form; committing synchronously makes the id durable, so a crash
-    cannot hand it out again."""
+    """A number larger than every term handed out before: the 64-bit id (increasing, never
+    wrapping) of a transaction begun after the lock was won, committed durably."""
     xid = (
         sql.SQL("pg_catalog.pg_current_xact_id()::text::bigint")
         if server_version >= 130000
@@ -428,10 +420,8 @@ def fence_wait(fence_key: int) -> sql.Composed:
 
 
 def leader_holds(key: int, pid: int, backend_start: object) -> sql.Composed:
-    """Does the session (pid, backend_start) hold the exclusive advisory lock ``key``?
-
-    ``backend_start`` guards against a reused pid; it reads NULL for another role's session
-    without pg_read_all_stats, and then the pid alone is checked."""
+    """Does the session (pid, backend_start) hold the exclusive advisory lock ``key``? The start
+    (NULL without pg_read_all_stats: then the pid alone counts) guards against a reused pid."""
     return sql.SQL(
         "SELECT EXISTS ("
         " SELECT 1 FROM pg_catalog.pg_locks l"
@@ -477,10 +467,8 @@ def semaphore_acquire(
 def semaphore_extend(
     schema: str, permits: Sequence[tuple[str, Sequence[str], float]]
 ) -> sql.Composed:
-    """The holders renewed among the (name, holders, ttl) given, for any number of semaphores
-    in one round trip (the missing ones are no longer held). Committed durably even where
-    ``synchronous_commit`` is off: after a crash the server must not believe a permit ends
-    sooner than its holder does."""
+    """The holders renewed among the (name, holders, ttl) given, in one round trip. Committed
+    durably: after a crash the server must not believe a permit ends sooner than its holder."""
     renew = sql.SQL(" UNION ALL ").join(
         sql.SQL("SELECT holder FROM {}.semaphore_extend({}::text, {}::text[], {}::float8)").format(
             sql.Identifier(schema), sql.Literal(name), sql.Literal(list(holders)), sql.Literal(ttl)

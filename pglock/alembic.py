@@ -12,9 +12,11 @@ from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import psycopg
+from psycopg.conninfo import make_conninfo
 
 from ._advisory import PgLock
 from ._classify import Kind, classify
+from ._deadline import connect_extra
 from ._keys import validate_name, validate_timeout
 from .errors import LockNotAcquired
 
@@ -104,10 +106,6 @@ def _url_opener(url: Any) -> _Opener:
 
 def _psycopg_opener(dsn: str) -> _Opener:
     def open_() -> tuple[Any, Callable[[bool], None]]:
-        from psycopg.conninfo import make_conninfo
-
-        from ._deadline import connect_extra
-
         conn = psycopg.connect(make_conninfo(dsn, **connect_extra(dsn)), autocommit=True)
         return conn, lambda discard: conn.close()
 
