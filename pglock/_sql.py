@@ -359,11 +359,9 @@ def unlock_if_held(keys: Sequence[int], *, shared: bool) -> sql.Composed:
     )
 
 
-# The pool reset hook: one round trip that reports which advisory locks the session still holds
-# (as "key" or "key shared"; two-int4 keys as "classid,objid") and then drops them all. The
-# aggregate subquery is not flattened, so it reads pg_locks completely before the outer
-# select list calls pg_advisory_unlock_all(). Fixed text (not composed) so psycopg caches it
-# and prepares it: this runs at every checkin.
+# The pool reset hook, at every checkin (so fixed text): the advisory locks the session holds
+# ("key", "key shared", "classid,objid"), then none. The aggregate subquery is not flattened,
+# so it reads pg_locks completely before the outer select list calls pg_advisory_unlock_all().
 UNLOCK_ALL_REPORTING = (
     "SELECT s.held, pg_catalog.pg_advisory_unlock_all() FROM ("
     " SELECT array_agg(CASE WHEN l.objsubid = 1"
@@ -436,10 +434,9 @@ def leader_holds(key: int, pid: int, backend_start: object) -> sql.Composed:
     ).format(pid=sql.Literal(pid), key=sql.Literal(key), start=sql.Literal(backend_start))
 
 
-# Semaphores: the functions are in pglock/sql/0002_semaphores.up.sql. Each call is one
-# simple-query round trip with its values as literals, so the acquire can run in an explicit
-# READ COMMITTED transaction (its row lock and its reads must see the latest commits) whatever
-# the session's default isolation is.
+# Semaphores (pglock/sql/0002_semaphores.up.sql): each call is one simple query with literal
+# values, so the acquire can run at READ COMMITTED (its row lock and reads must see the latest
+# commits) whatever the session's default isolation is.
 
 
 def semaphore_acquire(
@@ -496,10 +493,7 @@ def semaphore_info(schema: str, name: str) -> sql.Composed:
 
 
 # --- leases (pglock/_lease.py) and the schema install (pglock/_schema.py) -------------------
-#
-# The lease functions are in pglock/sql/0001_leases.up.sql; these statements call them, and
-# pglock._lease renders them once per schema. Every call is one statement: one round trip, one
-# commit on an autocommit connection.
+# The lease functions are in pglock/sql/0001_leases.up.sql; each call is one statement.
 
 
 def lease_acquire(schema: str) -> sql.Composed:

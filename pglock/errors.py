@@ -122,8 +122,7 @@ class LockLost(LockError):
     def __init__(self, name: str | None = None, *, reason: str = "lost") -> None:
         self.name = name
         self.reason = reason
-        what = f"lock {name!r}" if name is not None else "lock"
-        super().__init__(f"{what} was lost: {reason}")
+        super().__init__(f"{_describe(name, None)} was lost: {reason}")
 
     @classmethod
     def for_names(cls, names: Sequence[str], reason: str) -> LockLost:
