@@ -58,9 +58,7 @@ def head() -> str:
 @cache
 def _load_revisions() -> tuple[Revision, ...]:
     by_down: dict[str | None, Revision] = {}
-    for path in sorted(Path(VERSIONS_DIR).glob("*.py")):
-        if path.name.startswith("__"):
-            continue
+    for path in sorted(Path(VERSIONS_DIR).glob("[!_]*.py")):
         module = importlib.import_module(f"pglock.migrations.versions.{path.stem}")
         rev = getattr(module, "revision", None)
         if not isinstance(rev, str):
@@ -77,9 +75,8 @@ def _load_revisions() -> tuple[Revision, ...]:
     ordered: list[Revision] = []
     current: str | None = None  # the root revision has down_revision None
     while current in by_down and len(ordered) <= len(by_down):
-        nxt = by_down[current]
-        ordered.append(nxt)
-        current = nxt.revision
+        ordered.append(by_down[current])
+        current = ordered[-1].revision
     if len(ordered) != len(by_down):
         raise RuntimeError("some pglock revisions are not reachable from the root revision")
     if not ordered:

@@ -241,13 +241,11 @@ def advisory_locks(
         key_filter = sql.SQL(" AND l.objsubid = 1 AND {} = ANY({})").format(
             _ADVISORY_KEY, _keys_array(keys)
         )
-    name = (
-        sql.SQL("(SELECT r.name FROM {} r WHERE l.objsubid = 1 AND r.key = {})").format(
+    name: sql.Composable = sql.SQL("NULL::text")
+    if names_schema is not None:
+        name = sql.SQL("(SELECT r.name FROM {} r WHERE l.objsubid = 1 AND r.key = {})").format(
             sql.Identifier(names_schema, NAMES_TABLE), _ADVISORY_KEY
         )
-        if names_schema is not None
-        else sql.SQL("NULL::text")
-    )
     return sql.SQL(
         "SELECT l.objsubid, l.classid::bigint, l.objid::bigint, {name} AS name,"
         " l.mode, l.granted, l.pid,"

@@ -156,16 +156,14 @@ class SelfDeadlock(LockError):
     ) -> None:
         self.name = name
         self.key = key
-        super().__init__(
-            message
-            or (
-                f"this thread already holds {_describe(name, key)} through this pool: a nested "
-                "lock would check out another connection (another Postgres session) and wait "
-                "for itself for ever; reuse the connection yielded by the outer block "
-                "(pglock.pg_lock(conn, ...) on it re-enters, counted) instead of nesting "
-                "through the pool"
-            )
+        default = (
+            f"this thread already holds {_describe(name, key)} through this pool: a nested "
+            "lock would check out another connection (another Postgres session) and wait "
+            "for itself for ever; reuse the connection yielded by the outer block "
+            "(pglock.pg_lock(conn, ...) on it re-enters, counted) instead of nesting "
+            "through the pool"
         )
+        super().__init__(message or default)
 
 
 class LockTableFull(LockError):
@@ -284,14 +282,12 @@ class SchemaNotInstalled(LockError):
 
     def __init__(self, schema: str, *, message: str | None = None) -> None:
         self.schema = schema
-        super().__init__(
-            message
-            or (
-                f"the pglock schema {schema!r} is not installed in this database; install it "
-                f"with: pglock install --dsn <your DSN> --schema {schema}  "
-                "(or run 'alembic upgrade pglock@head' with pglock's migrations)"
-            )
+        default = (
+            f"the pglock schema {schema!r} is not installed in this database; install it "
+            f"with: pglock install --dsn <your DSN> --schema {schema}  "
+            "(or run 'alembic upgrade pglock@head' with pglock's migrations)"
         )
+        super().__init__(message or default)
 
     @classmethod
     def for_connection(cls, conn: Any, schema: str) -> SchemaNotInstalled:

@@ -36,10 +36,9 @@ def _on_reset(dbapi_connection: Any, connection_record: Any, reset_state: PoolRe
     if status == INERROR:
         raw.rollback()  # the pool rolls back next anyway; nothing can run before that
         status = IDLE
-    # In an open transaction the statement runs inside it (session locks are released at
-    # once all the same) and the pool's own reset ends it; if the connection was idle, end
-    # the transaction our statement began. An exception here makes SQLAlchemy invalidate
-    # the connection: it is never checked out again holding a lock.
+    # In an open transaction the statement runs inside it (session locks go at once all the
+    # same) and the pool's reset ends it. An exception here makes SQLAlchemy invalidate the
+    # connection: it is never checked out again holding a lock.
     release_all(raw, source="SQLAlchemy pool reset", end_own_transaction=status == IDLE)
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "alembic_schema",
     "revision_functions",
     "sql_file",
+    "sql_text",
     "statements",
 ]
 
@@ -62,17 +63,20 @@ def _split_text(text: str) -> list[str]:
     return found
 
 
+def sql_text(template: str, schema: sql.Identifier) -> sql.Literal:
+    """``template`` with ``schema`` filled, as a string literal (for dynamic SQL in PL/pgSQL)."""
+    return sql.Literal(sql.SQL(template).format(schema).as_string(None))
+
+
 def statements(name: str, names: Mapping[str, sql.Composable]) -> list[sql.Composed]:
     """The statements of ``pglock/sql/<name>.sql`` with their ``{placeholders}`` filled."""
     return [sql.SQL(text).format(**names) for text in split(name)]
 
 
 def alembic_schema() -> str:
-    """The schema a revision installs into, when it runs under Alembic (validated).
-
-    Looked up in ``config.attributes["pglock_schema"]``, ``-x pglock_schema=...`` and the
-    ``pglock_schema`` ini option, in that order; ``pglock`` when none is set.
-    """
+    """The schema a revision installs into under Alembic (validated): from
+    ``config.attributes["pglock_schema"]``, ``-x pglock_schema=...`` or the ``pglock_schema``
+    ini option, in that order; else ``pglock``."""
     from alembic import context
 
     config = context.config

@@ -1,8 +1,5 @@
 """The name registry: which lock name each advisory-lock key stands for.
 
-Revision ID: pglock_0003
-Revises: pglock_0002
-
 SQL: ``pglock/sql/0003_lock_names.up.sql`` and ``.down.sql`` (docs/reference/sql.md).
 """
 
