@@ -1,8 +1,4 @@
-"""pglock: distributed locks on Postgres alone.
-
-Advisory locks on a connection (:func:`pg_lock`, :func:`xact_lock`, :func:`try_xact_lock`),
-and the name -> key contract (:func:`key`). See the README for which lock fits which job.
-"""
+"""pglock: distributed locks on Postgres alone. The README says which lock fits which job."""
 
 from __future__ import annotations
 

@@ -41,8 +41,7 @@ _NOTHING = Registration(None, ())
 
 
 def _database(conn: psycopg.Connection[Any]) -> tuple[Any, ...]:
-    info = conn.info
-    return (info.host, info.port, info.dbname)
+    return (conn.info.host, conn.info.port, conn.info.dbname)
 
 
 def pending(

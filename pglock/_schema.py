@@ -23,8 +23,6 @@ from ._contract import DEFAULT_SCHEMA, install_lock_key, validate_schema
 from ._deadline import connect_extra
 from .migrations import VERSIONS_DIR
 
-# --- the shipped revisions ------------------------------------------------------------------
-
 
 @dataclass(frozen=True)
 class Revision:
@@ -41,8 +39,7 @@ class Revision:
                 f"revision {self.revision} has no upgrade_statements(); apply it with Alembic "
                 "('alembic upgrade pglock@head')"
             )
-        statements: list[sql.Composed] = fn(schema)
-        return statements
+        return cast("list[sql.Composed]", fn(schema))
 
 
 def revisions() -> list[Revision]:
@@ -84,14 +81,9 @@ def _load_revisions() -> tuple[Revision, ...]:
     return tuple(ordered)
 
 
-# --- install ----------------------------------------------------------------------------------
-
-
 def installed_revisions(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list[str]:
-    """The pglock revisions recorded in ``schema`` of ``conn``'s database (``[]``: none).
-
-    Runs in the caller's transaction if one is open, else in its own autocommit statement.
-    """
+    """The pglock revisions recorded in ``schema`` of ``conn``'s database (``[]``: none), read
+    in the caller's transaction if one is open."""
     schema = validate_schema(schema)
     rows = _conn.fetch(conn, _sql.schema_revision_table(schema))[0]
     if not rows or rows[0][0] is None:

@@ -46,11 +46,8 @@ def migration_lock(
     not read the current revision yet. Waiters poll (50 ms growing to 1 s) rather than block,
     so that they hold no snapshot that ``CREATE INDEX CONCURRENTLY`` would wait for.
 
-    :param connection_or_url: where to open the dedicated connection: a SQLAlchemy ``Engine``
-        or ``Connection`` (its engine checks out another connection when it uses the psycopg
-        driver; for another PostgreSQL driver, its URL is opened with psycopg), a SQLAlchemy
-        ``URL``, or a URL / libpq connection string. Behind a transaction-mode pooler
-        (PgBouncer), pass a URL that reaches Postgres directly.
+    :param connection_or_url: where to open the dedicated connection: a SQLAlchemy ``Engine``,
+        ``Connection`` or ``URL``, or a URL / libpq connection string (docs/alembic.md).
     :param name: the lock name; every process migrating the same database must use the same.
     :param timeout: seconds to wait for the lock; ``None`` waits until it is free.
     :raises pglock.LockNotAcquired: not acquired within ``timeout``.
