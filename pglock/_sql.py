@@ -84,10 +84,9 @@ def _names_schema(schema: str, privilege: str) -> sql.Composed:
     )
 
 
-# Transaction-level lock on one key in one round trip, inside a savepoint so a failure leaves
-# the caller's transaction usable, returning the transaction's start (pglock tells the caller's
-# transactions apart by it) and the lock result. Pre-rendered: only the int key varies, and
-# composing this with psycopg.sql on every call cost more CPU than the round trip.
+# Transaction-level lock on one key and the transaction's start (which tells the caller's
+# transactions apart), in a savepoint that keeps the caller's transaction usable on failure.
+# Pre-rendered: composing it with psycopg.sql on every call cost more CPU than the round trip.
 _XACT_ONE = {
     (shared, try_): (
         'SAVEPOINT "_pglock_acquire"; '
@@ -115,17 +114,12 @@ SESSION_TIMEOUTS = (
 # The probe, once per connection. The lock APIs take no schema: they register names in the
 # default schema's registry only.
 PROBE = sql.SQL(
-    "SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.pg_backend_pid(), {registry},"
-    " ({timeouts})"
-).format(
-    registry=_names_schema(DEFAULT_SCHEMA, "INSERT"),
-    timeouts=sql.SQL(SESSION_TIMEOUTS[len("SELECT ") :]),
-)
+    "SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.pg_backend_pid(), {}, ({})"
+).format(_names_schema(DEFAULT_SCHEMA, "INSERT"), sql.SQL(SESSION_TIMEOUTS[len("SELECT ") :]))
 
 
 def names_readable(schema: str) -> sql.Composed:
-    """One row: ``schema`` when its name registry may be read (see ``_names_schema``), else
-    NULL."""
+    """One row: ``schema`` if its name registry may be read (see ``_names_schema``), else NULL."""
     return sql.SQL("SELECT {}").format(_names_schema(schema, "SELECT"))
 
 # Never fails and never waits more than 1 ms: a concurrent uncommitted registration of the same
@@ -203,14 +197,10 @@ def relations_exist(schema: str, relations: Sequence[str]) -> sql.Composed:
     """One row: are all ``relations`` in ``schema``? A catalog lookup that works without USAGE
     on the schema (reading them without the grants then fails with SQLSTATE 42501)."""
     return sql.SQL(
-        "SELECT count(*) = {n} FROM pg_catalog.pg_class c"
+        "SELECT count(*) = {} FROM pg_catalog.pg_class c"
         " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE n.nspname = {schema} AND c.relname = ANY({relations})"
-    ).format(
-        n=sql.Literal(len(relations)),
-        schema=sql.Literal(schema),
-        relations=sql.Literal(list(relations)),
-    )
+        " WHERE n.nspname = {} AND c.relname = ANY({})"
+    ).format(*map(sql.Literal, (len(relations), schema, list(relations))))
 
 
 def semaphores(schema: str, name: str | None) -> sql.Composed:
@@ -282,8 +272,7 @@ def lock(keys: Sequence[int], *, shared: bool, xact: bool, try_: bool) -> sql.Co
         ).format(func, _keys_array(keys))
     if len(keys) == 1:
         return sql.SQL("SELECT {}({})").format(func, sql.Literal(keys[0]))
-    # unnest() yields the sorted array in order, and the function runs once per row in scan
-    # order, so keys are taken one after another in key order within one statement.
+    # In key order, one after another: see LOCK_MANY.
     return sql.SQL("SELECT {}(k) FROM unnest({}) AS k").format(func, _keys_array(keys))
 
 
