@@ -1,8 +1,4 @@
-"""pglock: distributed locks on Postgres alone.
-
-Advisory locks on a connection (:func:`pg_lock`, :func:`xact_lock`, :func:`try_xact_lock`),
-and the name -> key contract (:func:`key`). See the README for which lock fits which job.
-"""
+"""pglock: distributed locks on Postgres alone. The README says which lock fits which job."""
 
 from __future__ import annotations
 
@@ -14,6 +10,7 @@ from ._lease import Lease, LeaseInfo, lease, lease_info, list_leases
 from ._locker import Locker
 from ._pool import PoolLock, pool_lock, reset_connection
 from ._rwlock import RWLock, rwlock
+from ._schema import install
 from ._semaphore import Permit, Semaphore, semaphore
 from ._singleton import Singleton, singleton
 from ._xact import try_xact_lock, xact_lock
@@ -61,6 +58,7 @@ __all__ = [
     "UnsupportedServer",
     "__version__",
     "advisory_locks",
+    "install",
     "key",
     "leader",
     "lease",
@@ -78,31 +76,7 @@ __all__ = [
 ]
 
 # Public classes report the package as their home (repr, docs, pickling by reference).
-for _cls in (
-    AdvisoryLock,
-    DeadlockDetected,
-    HolderInUse,
-    InvalidConnectionState,
-    LeaderElection,
-    Lease,
-    LeaseInfo,
-    LimitMismatch,
-    LockError,
-    LockLost,
-    LockNotAcquired,
-    LockTableFull,
-    Locker,
-    Permit,
-    PgLock,
-    PoolLock,
-    RWLock,
-    SchemaNotInstalled,
-    SelfDeadlock,
-    Semaphore,
-    SemaphoreHolder,
-    SemaphoreInfo,
-    Singleton,
-    UnsupportedServer,
-):
-    _cls.__module__ = "pglock"
-del _cls
+for _name in __all__:
+    if isinstance(globals()[_name], type):
+        globals()[_name].__module__ = "pglock"
+del _name

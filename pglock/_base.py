@@ -1,9 +1,4 @@
-"""The shape every pglock lock shares (docs/locks.md, "The lock contract").
-
-``acquire(blocking=True, timeout=DEFAULT) -> bool``, ``release()``, ``locked``, a ``with``
-block that raises :class:`pglock.LockNotAcquired` instead of running without the lock, and
-``close()`` that wakes the threads blocked in ``acquire()``. Each kind implements four hooks.
-"""
+"""The shape every pglock lock shares: docs/locks.md, "The lock contract"."""
 
 from __future__ import annotations
 
@@ -21,11 +16,8 @@ logger = logging.getLogger("pglock")
 
 def wait_for(blocking: object, timeout: object, default: float | None) -> float | None:
     """The seconds an ``acquire(blocking, timeout)`` may wait: ``None`` forever, ``0`` once.
-
-    ``timeout`` omitted (:data:`DEFAULT`) is the lock's own ``default``. ``blocking=False``
-    tries once whatever that default is; an explicit positive timeout with it is a ``ValueError``,
-    as for :meth:`threading.Lock.acquire` (an explicit ``None`` or ``0`` is not).
-    """
+    ``timeout`` omitted (:data:`DEFAULT`) is the lock's ``default``; like ``threading``, a
+    non-blocking acquire with an explicit timeout other than ``None`` or ``0`` is refused."""
     validate_flag(blocking, "blocking")
     explicit = timeout is not DEFAULT
     value = validate_timeout(timeout) if explicit else default
@@ -49,11 +41,8 @@ def release_after(release: Callable[[], None], exc: BaseException | None, what: 
 
 
 class Waiters:
-    """The threads blocked in one lock object's ``acquire()``, and the close() that wakes them.
-
-    A kind's wait loop registers with :meth:`enter` and asks :meth:`closed` whether
-    ``close()`` ran since; :meth:`close` bumps the generation and calls the kind's waker.
-    """
+    """The threads blocked in one lock object's ``acquire()``: a wait loop calls :meth:`enter`
+    and asks :meth:`closed` whether ``close()`` ran since, which bumped the generation."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -82,12 +71,7 @@ class Waiters:
 
 class BaseLock(abc.ABC):
     """What every lock kind shares: timeout rules, the ``with`` block, close() waking waiters.
-
-    A kind implements :meth:`_acquire` (one acquisition, waiting up to the given seconds),
-    :meth:`release`, :attr:`locked`, :meth:`_outstanding` (an acquisition not yet released,
-    held or lost: ``__exit__`` releases it) and :meth:`_not_acquired` (the error a ``with``
-    raises) and :meth:`_wake` (interrupt its waits); :meth:`_entered` is what ``with`` yields.
-    """
+    A kind implements the abstract methods below; :meth:`_entered` is what ``with`` yields."""
 
     _timeout: float | None  # the default of acquire(timeout=...), given when the lock was made
 

@@ -1,7 +1,6 @@
 """The database contract: what pglock's Python code and its installed SQL must agree on.
 
-Schema names, NOTIFY channels, pglock's own SQLSTATEs, the maximum TTL and the install-lock
-key. A leaf module (it imports nothing from pglock), so revisions and runtime code share it.
+A leaf module (it imports nothing from pglock), so revisions and runtime code share it.
 """
 
 from __future__ import annotations
@@ -33,14 +32,8 @@ _MAX_IDENTIFIER_BYTES = 63
 
 
 def validate_schema(schema: object) -> str:
-    """Return ``schema`` if it is a plain lower-case identifier, else raise.
-
-    Accepted: ``^[a-z_][a-z0-9_]{0,62}$`` (so no quoting, no case folding, no truncation, no
-    injection), and not a ``pg_`` name (reserved by Postgres for system schemas).
-
-    :raises TypeError: not a ``str``.
-    :raises ValueError: anything else.
-    """
+    """Return ``schema`` if it matches :data:`SCHEMA_PATTERN` and does not start with ``pg_``
+    (reserved by Postgres); else ``TypeError`` (not a ``str``) or ``ValueError``."""
     if not isinstance(schema, str):
         raise TypeError(f"schema must be a str, not {type(schema).__name__}")
     if not SCHEMA_PATTERN.fullmatch(schema):

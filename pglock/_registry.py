@@ -1,9 +1,6 @@
-"""The name registry: which lock name each advisory-lock key stands for.
-
-pglock records ``(key, name)`` in ``pglock.lock_names`` once per (process, database, key), in
-the lock statement's own round trip, so that :func:`pglock.advisory_locks` and ``pglock status``
-show names. It never fails or blocks a lock, and is used only when the table is pglock's own:
-docs/how-it-works.md ("The name registry") and docs/guarantees.md explain when and why.
+"""The name registry: ``(key, name)`` recorded once per (process, database, key) with the lock
+statement, for ``advisory_locks()`` and ``pglock status`` (docs/how-it-works.md, "The name
+registry"; docs/guarantees.md on when the table is trusted).
 """
 
 from __future__ import annotations
@@ -44,8 +41,7 @@ _NOTHING = Registration(None, ())
 
 
 def _database(conn: psycopg.Connection[Any]) -> tuple[Any, ...]:
-    info = conn.info
-    return (info.host, info.port, info.dbname)
+    return (conn.info.host, conn.info.port, conn.info.dbname)
 
 
 def pending(
@@ -57,10 +53,8 @@ def pending(
     own_transaction: bool = False,
 ) -> Registration:
     """The ``(key, name)`` pairs this process has not registered yet in ``conn``'s database
-    (none when the registry is not installed or not writable there).
-
-    ``own_transaction``: the statement will run in a transaction that pglock commits itself,
-    so the registration may skip waiting for the WAL flush."""
+    (none without a writable registry); ``own_transaction``: pglock commits the statement's
+    transaction itself, so the registration may skip waiting for the WAL flush."""
     schema = state.registry
     if schema is None:
         return _NOTHING

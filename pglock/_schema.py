@@ -1,29 +1,27 @@
-"""The pglock schema: the shipped revisions and the programmatic install.
+"""The pglock schema: the shipped revisions and :func:`install` (what ``pglock install`` runs).
 
-:func:`install` is what ``pglock install`` runs: every shipped revision the database lacks, in
-one transaction, under the advisory lock the revisions take under Alembic too
-(``_contract.install_lock_key``). Revisions record themselves in ``<schema>.schema_revision``
-and are idempotent, so a schema installed here can later be adopted by the user's Alembic.
+Revisions take the install lock and record themselves in ``<schema>.schema_revision`` under
+Alembic too, so a schema installed here can later be adopted by the user's Alembic.
 """
 
 from __future__ import annotations
 
 import importlib
-import threading
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
 
 import psycopg
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
 
 from . import _conn, _sql
 from ._classify import Kind, classify
 from ._contract import DEFAULT_SCHEMA, install_lock_key, validate_schema
+from ._deadline import connect_extra
 from .migrations import VERSIONS_DIR
-
-# --- the shipped revisions ------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -41,21 +39,12 @@ class Revision:
                 f"revision {self.revision} has no upgrade_statements(); apply it with Alembic "
                 "('alembic upgrade pglock@head')"
             )
-        statements: list[sql.Composed] = fn(schema)
-        return statements
-
-
-_revisions: list[Revision] | None = None
-_revisions_lock = threading.Lock()
+        return cast("list[sql.Composed]", fn(schema))
 
 
 def revisions() -> list[Revision]:
     """The shipped revisions, from the root of the ``pglock`` branch to its head."""
-    global _revisions
-    with _revisions_lock:
-        if _revisions is None:
-            _revisions = _load_revisions()
-        return list(_revisions)
+    return list(_load_revisions())
 
 
 def head() -> str:
@@ -63,11 +52,10 @@ def head() -> str:
     return revisions()[-1].revision
 
 
-def _load_revisions() -> list[Revision]:
+@cache
+def _load_revisions() -> tuple[Revision, ...]:
     by_down: dict[str | None, Revision] = {}
-    for path in sorted(Path(VERSIONS_DIR).glob("*.py")):
-        if path.name.startswith("__"):
-            continue
+    for path in sorted(Path(VERSIONS_DIR).glob("[!_]*.py")):
         module = importlib.import_module(f"pglock.migrations.versions.{path.stem}")
         rev = getattr(module, "revision", None)
         if not isinstance(rev, str):
@@ -84,24 +72,18 @@ def _load_revisions() -> list[Revision]:
     ordered: list[Revision] = []
     current: str | None = None  # the root revision has down_revision None
     while current in by_down and len(ordered) <= len(by_down):
-        nxt = by_down[current]
-        ordered.append(nxt)
-        current = nxt.revision
+        ordered.append(by_down[current])
+        current = ordered[-1].revision
     if len(ordered) != len(by_down):
         raise RuntimeError("some pglock revisions are not reachable from the root revision")
     if not ordered:
         raise RuntimeError(f"no pglock revisions found in {VERSIONS_DIR}")
-    return ordered
-
-
-# --- install ----------------------------------------------------------------------------------
+    return tuple(ordered)
 
 
 def installed_revisions(conn: psycopg.Connection[Any], schema: str = DEFAULT_SCHEMA) -> list[str]:
-    """The pglock revisions recorded in ``schema`` of ``conn``'s database (``[]``: none).
-
-    Runs in the caller's transaction if one is open, else in its own autocommit statement.
-    """
+    """The pglock revisions recorded in ``schema`` of ``conn``'s database (``[]``: none), read
+    in the caller's transaction if one is open."""
     schema = validate_schema(schema)
     rows = _conn.fetch(conn, _sql.schema_revision_table(schema))[0]
     if not rows or rows[0][0] is None:
@@ -119,27 +101,22 @@ def install(target: str | psycopg.Connection[Any], *, schema: str = DEFAULT_SCHE
     :raises TypeError, ValueError: a bad schema name or target, before any SQL.
     :raises psycopg.Error: the database refused (no privilege, unreachable server, ...).
 
-    Safe to run concurrently: installs of one schema serialize on an advisory lock, and each
-    applies only what the previous ones left to do.
+    Safe to run concurrently: installs of one schema serialize on an advisory lock.
 
     Example::
 
-        pglock._schema.install("postgresql://app@db/app", schema="pglock")
+        pglock.install("postgresql://app@db/app", schema="pglock")
     """
     schema = validate_schema(schema)
     plan = revisions()
     if classify(target, (Kind.DSN, Kind.CONNECTION), api="install()") is Kind.DSN:
-        if not cast(str, target).strip():
-            raise ValueError("the DSN must not be empty")
-        from psycopg.conninfo import make_conninfo
-
-        from ._deadline import connect_extra
-
         dsn = cast(str, target)
+        if not dsn.strip():
+            raise ValueError("the DSN must not be empty")
         with psycopg.connect(make_conninfo(dsn, **connect_extra(dsn)), autocommit=True) as conn:
             return _install(conn, schema, plan)
     target = cast("psycopg.Connection[Any]", target)
-    if target.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+    if target.info.transaction_status != _conn.IDLE:
         raise ValueError("install() needs an idle connection (commit or roll back first)")
     return _install(target, schema, plan)
 

@@ -1,11 +1,8 @@
 """Every SQL statement pglock sends from Python, each under its own name.
 
-Two styles: fixed text (module-level constants, with ``%s`` parameters where values vary) for
-statements where no identifier varies, which psycopg caches and prepares; :mod:`psycopg.sql`
-composition where the schema varies (rendered once per schema where the path is hot) and for
-batches of several statements, which travel in one simple-query round trip and so carry their
-values as literals (advisory-lock keys are Python ints computed by pglock, never user text).
-The PL/pgSQL functions these statements call are in ``pglock/sql/*.sql``.
+Fixed text with ``%s`` parameters where no identifier varies (psycopg caches and prepares it);
+:mod:`psycopg.sql` composition where the schema varies, and for batches of statements, which
+travel as one simple query with their values as literals. The PL/pgSQL is in ``pglock/sql/``.
 """
 
 from __future__ import annotations
@@ -30,17 +27,13 @@ _LOCK_FUNCS = {
     (True, True, True): "pg_try_advisory_xact_lock_shared",
 }
 
-# Single-key statements as fixed, parameterized text: psycopg caches their conversion and
-# prepares them after a few executions, so the common uncontended cycle costs exactly what the
-# raw statements cost. (transaction-level, shared, try) -> query
-LOCK_ONE = {
-    flags: f"SELECT pg_catalog.{func}(%s)"
-    for flags, func in _LOCK_FUNCS.items()
-}
-UNLOCK_ONE = {
-    False: "SELECT pg_catalog.pg_advisory_unlock(%s)",
-    True: "SELECT pg_catalog.pg_advisory_unlock_shared(%s)",
-}
+# shared -> Postgres function
+_UNLOCK_FUNCS = {False: "pg_advisory_unlock", True: "pg_advisory_unlock_shared"}
+
+# Fixed text, so that psycopg prepares it: the uncontended cycle costs what raw SQL costs.
+# (transaction-level, shared, try) -> query
+LOCK_ONE = {flags: f"SELECT pg_catalog.{func}(%s)" for flags, func in _LOCK_FUNCS.items()}
+UNLOCK_ONE = {shared: f"SELECT pg_catalog.{func}(%s)" for shared, func in _UNLOCK_FUNCS.items()}
 # The same for several keys (sorted by the caller), as one array parameter: unnest() yields them
 # in order and the function runs once per row in scan order. Session-level only.
 # (shared, try) -> query; try-locks return (key, granted) rows.
@@ -55,25 +48,17 @@ LOCK_MANY = {
     if not xact
 }
 UNLOCK_MANY = {
-    False: "SELECT bool_and(pg_catalog.pg_advisory_unlock(k)) FROM unnest(%s::bigint[]) AS k",
-    True: "SELECT bool_and(pg_catalog.pg_advisory_unlock_shared(k))"
-    " FROM unnest(%s::bigint[]) AS k",
+    shared: f"SELECT bool_and(pg_catalog.{func}(k)) FROM unnest(%s::bigint[]) AS k"  # noqa: S608
+    for shared, func in _UNLOCK_FUNCS.items()
 }
-
 
 
 def _names_schema(schema: str, privilege: str) -> sql.Composed:
     """``schema`` when its name registry may be used this way by the current role, else NULL.
 
-    An INSERT runs the table's triggers (and rules) as the inserting role and a read applies
-    its row-security policies, so pglock uses only a table it can trust:
-    ``<schema>.lock_names``, a plain table carrying pglock's comment, with no trigger, rule or
-    row security, owned by the owner of the schema, who is the current role, a role it is a
-    member of, a superuser or the database owner. A superuser counts only itself, superusers
-    and the database owner: ``pg_has_role`` says a superuser is a member of every role,
-    including one that planted a schema called ``pglock``. Then the privileges: USAGE on the
-    schema and ``privilege`` on the table. One catalog lookup (``to_regclass`` would raise
-    without USAGE on the schema; ``obj_description()`` costs four times this subquery)."""
+    Only a table pglock can trust (docs/guarantees.md, "The name registry is pglock's own").
+    One catalog lookup: ``to_regclass`` would raise without USAGE on the schema, and
+    ``obj_description()`` costs four times this subquery."""
     return sql.SQL(
         "(SELECT n.nspname::text FROM pg_catalog.pg_namespace n"
         " JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid"
@@ -99,19 +84,17 @@ def _names_schema(schema: str, privilege: str) -> sql.Composed:
     )
 
 
-# Transaction-level lock on one key in one round trip, inside a savepoint so a failure leaves
-# the caller's transaction usable, returning the transaction's start (pglock tells the caller's
-# transactions apart by it) and the lock result. Pre-rendered: only the int key varies, and
-# composing this with psycopg.sql on every call cost more CPU than the round trip.
+# Transaction-level lock on one key and the transaction's start (which tells the caller's
+# transactions apart), in a savepoint that keeps the caller's transaction usable on failure.
+# Pre-rendered: composing it with psycopg.sql on every call cost more CPU than the round trip.
 _XACT_ONE = {
-    flags: (
+    (shared, try_): (
         'SAVEPOINT "_pglock_acquire"; '
         f"SELECT pg_catalog.transaction_timestamp(), pg_catalog.{func}(%d); "
         'RELEASE SAVEPOINT "_pglock_acquire"'
     )
-    for (xact, *mode), func in _LOCK_FUNCS.items()
+    for (xact, shared, try_), func in _LOCK_FUNCS.items()
     if xact
-    for flags in [(mode[0], mode[1])]  # (shared, try)
 }
 
 
@@ -131,17 +114,12 @@ SESSION_TIMEOUTS = (
 # The probe, once per connection. The lock APIs take no schema: they register names in the
 # default schema's registry only.
 PROBE = sql.SQL(
-    "SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.pg_backend_pid(), {registry},"
-    " ({timeouts})"
-).format(
-    registry=_names_schema(DEFAULT_SCHEMA, "INSERT"),
-    timeouts=sql.SQL(SESSION_TIMEOUTS[len("SELECT ") :]),
-)
+    "SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.pg_backend_pid(), {}, ({})"
+).format(_names_schema(DEFAULT_SCHEMA, "INSERT"), sql.SQL(SESSION_TIMEOUTS[len("SELECT ") :]))
 
 
 def names_readable(schema: str) -> sql.Composed:
-    """One row: ``schema`` when its name registry may be read (see ``_names_schema``), else
-    NULL."""
+    """One row: ``schema`` if its name registry may be read (see ``_names_schema``), else NULL."""
     return sql.SQL("SELECT {}").format(_names_schema(schema, "SELECT"))
 
 # Never fails and never waits more than 1 ms: a concurrent uncommitted registration of the same
@@ -167,24 +145,19 @@ def register_names(
     schema: str, pairs: Sequence[tuple[int, str]], *, asynchronous: bool
 ) -> sql.Composed:
     """Record ``(key, name)`` pairs in the name registry; never raises, returns no rows.
-
-    ``asynchronous`` commits without waiting for the WAL flush (``synchronous_commit = off``
-    for the rest of the transaction): only for a transaction of pglock's own, never the
-    caller's. A registration lost in a server crash is sent again by the next process."""
+    ``asynchronous`` (only in pglock's own transaction) turns ``synchronous_commit`` off: a
+    registration lost in a server crash is sent again by the next process."""
     values = sql.SQL(", ").join(
         sql.SQL("({}, pg_catalog.convert_from(pg_catalog.decode({}, 'hex'), 'UTF8'))").format(
             sql.Literal(k), sql.Literal(n.encode("utf-8").hex())
         )
         for k, n in pairs
     )
+    off = " PERFORM pg_catalog.set_config('synchronous_commit', 'off', true);"
     return sql.SQL(_REGISTER).format(
         table=sql.Identifier(schema, NAMES_TABLE),
         values=values,
-        asynchronous=sql.SQL(
-            " PERFORM pg_catalog.set_config('synchronous_commit', 'off', true);"
-            if asynchronous
-            else ""
-        ),
+        asynchronous=sql.SQL(off if asynchronous else ""),
     )
 
 # Identifies the current transaction (its start time): transaction locks taken in it by one
@@ -195,20 +168,12 @@ TRANSACTION_START = sql.SQL("SELECT pg_catalog.transaction_timestamp()")
 def held_in_transaction(keys: Sequence[int]) -> sql.Composed:
     """The current transaction's start, and which of ``keys`` this session holds (any mode).
 
-    Sent only when another thread's record of a transaction lock conflicts with a request on
-    the same connection (never on the uncontended path): the record may have outlived its lock
-    (a rolled-back savepoint releases the transaction locks taken inside it). Inside pglock's
-    savepoint, so a failure leaves the caller's transaction usable."""
+    Checks whether another thread's record of a transaction lock outlived it (a rolled-back
+    savepoint releases the locks taken inside), in a savepoint of pglock's own."""
     return sql.SQL(
-        "SAVEPOINT {sp}; "
-        "SELECT pg_catalog.transaction_timestamp(), ARRAY("
-        "SELECT k FROM unnest({keys}) AS k WHERE EXISTS ("
-        " SELECT 1 FROM pg_catalog.pg_locks l"
-        " WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid()"
-        " AND l.granted AND l.objsubid = 1"
-        " AND ((l.classid::bigint << 32) | l.objid::bigint) = k)); "
+        "SAVEPOINT {sp}; SELECT pg_catalog.transaction_timestamp(), ARRAY({held}); "
         "RELEASE SAVEPOINT {sp}"
-    ).format(sp=SAVEPOINT_NAME, keys=_keys_array(keys))
+    ).format(sp=SAVEPOINT_NAME, held=_held(keys, sql.SQL("")))
 
 # --- introspection (pglock._inspect) ---------------------------------------------------
 
@@ -232,14 +197,10 @@ def relations_exist(schema: str, relations: Sequence[str]) -> sql.Composed:
     """One row: are all ``relations`` in ``schema``? A catalog lookup that works without USAGE
     on the schema (reading them without the grants then fails with SQLSTATE 42501)."""
     return sql.SQL(
-        "SELECT count(*) = {n} FROM pg_catalog.pg_class c"
+        "SELECT count(*) = {} FROM pg_catalog.pg_class c"
         " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE n.nspname = {schema} AND c.relname = ANY({relations})"
-    ).format(
-        n=sql.Literal(len(relations)),
-        schema=sql.Literal(schema),
-        relations=sql.Literal(list(relations)),
-    )
+        " WHERE n.nspname = {} AND c.relname = ANY({})"
+    ).format(*map(sql.Literal, (len(relations), schema, list(relations))))
 
 
 def semaphores(schema: str, name: str | None) -> sql.Composed:
@@ -263,22 +224,18 @@ _ADVISORY_KEY = sql.SQL("((l.classid::bigint << 32) | l.objid::bigint)")
 def advisory_locks(
     keys: Sequence[int] | None, *, names_schema: str | None, waitstart: bool
 ) -> sql.Composed:
-    """Advisory locks in the current database: holders and waiters, with their sessions.
-
-    ``names_schema`` is where the name registry is (None: no names); ``waitstart`` reads
-    ``pg_locks.waitstart`` (PostgreSQL 14+)."""
+    """Advisory locks in the current database: holders and waiters, with their sessions, named
+    from ``names_schema``'s registry; ``waitstart`` reads ``pg_locks.waitstart`` (PG 14+)."""
     key_filter: sql.Composable = sql.SQL("")
     if keys is not None:
         key_filter = sql.SQL(" AND l.objsubid = 1 AND {} = ANY({})").format(
             _ADVISORY_KEY, _keys_array(keys)
         )
-    name = (
-        sql.SQL("(SELECT r.name FROM {} r WHERE l.objsubid = 1 AND r.key = {})").format(
+    name: sql.Composable = sql.SQL("NULL::text")
+    if names_schema is not None:
+        name = sql.SQL("(SELECT r.name FROM {} r WHERE l.objsubid = 1 AND r.key = {})").format(
             sql.Identifier(names_schema, NAMES_TABLE), _ADVISORY_KEY
         )
-        if names_schema is not None
-        else sql.SQL("NULL::text")
-    )
     return sql.SQL(
         "SELECT l.objsubid, l.classid::bigint, l.objid::bigint, {name} AS name,"
         " l.mode, l.granted, l.pid,"
@@ -315,16 +272,13 @@ def lock(keys: Sequence[int], *, shared: bool, xact: bool, try_: bool) -> sql.Co
         ).format(func, _keys_array(keys))
     if len(keys) == 1:
         return sql.SQL("SELECT {}({})").format(func, sql.Literal(keys[0]))
-    # unnest() yields the sorted array in order, and the function runs once per row in scan
-    # order, so keys are taken one after another in key order within one statement.
+    # In key order, one after another: see LOCK_MANY.
     return sql.SQL("SELECT {}(k) FROM unnest({}) AS k").format(func, _keys_array(keys))
 
 
 def unlock(keys: Sequence[int], *, shared: bool) -> sql.Composed:
     """Release session locks; returns one row: were all of them held?"""
-    func = sql.Identifier(
-        "pg_catalog", "pg_advisory_unlock_shared" if shared else "pg_advisory_unlock"
-    )
+    func = sql.Identifier("pg_catalog", _UNLOCK_FUNCS[shared])
     if len(keys) == 1:
         return sql.SQL("SELECT {}({})").format(func, sql.Literal(keys[0]))
     return sql.SQL("SELECT bool_and({}(k)) FROM unnest({}) AS k").format(func, _keys_array(keys))
@@ -333,11 +287,8 @@ def unlock(keys: Sequence[int], *, shared: bool) -> sql.Composed:
 def set_local_timeouts(timeout_ms: int, *, several: bool) -> sql.Composed:
     """Bound the next statement's lock waits, and for ``several`` keys the statement itself.
 
-    A shorter ``statement_timeout`` of the caller's must not cut the requested wait short, so
-    it is always replaced. One key has one wait, which ``lock_timeout`` bounds alone: there
-    ``statement_timeout`` is off, since until pglock restores the caller's settings it bounds
-    pglock's own statements too, and a server that stalls after the grant would otherwise
-    abort the caller's transaction. Several keys wait several times: it bounds their total."""
+    The caller's ``statement_timeout`` is always replaced: for one key by 0, since until pglock
+    restores it, it would also bound pglock's own statements after the grant."""
     value = sql.Literal(f"{timeout_ms}ms")
     return sql.SQL("SET LOCAL lock_timeout = {}; SET LOCAL statement_timeout = {}").format(
         value, value if several else sql.Literal("0")
@@ -369,36 +320,35 @@ def restore_timeouts(lock_timeout: str, statement_timeout: str) -> sql.Composed:
 
 
 def held_advisory(keys: Sequence[int], *, shared: bool) -> sql.Composed:
-    """The subset of ``keys`` this session holds in pg_locks in the given mode.
+    """The subset of ``keys`` this session holds in pg_locks in the given mode. By pid alone: a
+    pg_database lookup would need a slot in a lock table that may be full (this runs after
+    "out of shared memory", among other failures)."""
+    mode = sql.Literal("ShareLock" if shared else "ExclusiveLock")
+    return _held(keys, sql.SQL(" AND l.mode = {}").format(mode))
 
-    A backend is connected to one database, so its pid alone identifies its locks: no lookup
-    of pg_database, a shared catalog whose lock would need a slot in a lock table that may be
-    full (this runs after "out of shared memory", among other failures)."""
+
+def _held(keys: Sequence[int], mode: sql.Composable) -> sql.Composed:
     return sql.SQL(
         "SELECT k FROM unnest({keys}) AS k WHERE EXISTS ("
         " SELECT 1 FROM pg_catalog.pg_locks l"
         " WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid()"
-        " AND l.granted AND l.objsubid = 1 AND l.mode = {mode}"
+        " AND l.granted AND l.objsubid = 1{mode}"
         " AND ((l.classid::bigint << 32) | l.objid::bigint) = k)"
-    ).format(keys=_keys_array(keys), mode=sql.Literal("ShareLock" if shared else "ExclusiveLock"))
+    ).format(keys=_keys_array(keys), mode=mode)
 
 
 def unlock_if_held(keys: Sequence[int], *, shared: bool) -> sql.Composed:
     """Undo a session lock that Postgres granted although the attempt failed (timeout race,
     cancel, partial multi-key acquisition). Unlocks only keys that pg_locks shows as held."""
-    func = sql.Identifier(
-        "pg_catalog", "pg_advisory_unlock_shared" if shared else "pg_advisory_unlock"
-    )
+    func = sql.Identifier("pg_catalog", _UNLOCK_FUNCS[shared])
     return sql.SQL("WITH held AS MATERIALIZED ({}) SELECT k, {}(k) FROM held").format(
         held_advisory(keys, shared=shared), func
     )
 
 
-# The pool reset hook: one round trip that reports which advisory locks the session still holds
-# (as "key" or "key shared"; two-int4 keys as "classid,objid") and then drops them all. The
-# aggregate subquery is not flattened, so it reads pg_locks completely before the outer
-# select list calls pg_advisory_unlock_all(). Fixed text (not composed) so psycopg caches it
-# and prepares it: this runs at every checkin.
+# The pool reset hook, at every checkin (so fixed text): the advisory locks the session holds
+# ("key", "key shared", "classid,objid"), then none. The aggregate subquery is not flattened,
+# so it reads pg_locks completely before the outer select list calls pg_advisory_unlock_all().
 UNLOCK_ALL_REPORTING = (
     "SELECT s.held, pg_catalog.pg_advisory_unlock_all() FROM ("
     " SELECT array_agg(CASE WHEN l.objsubid = 1"
@@ -419,21 +369,15 @@ UNLOCK_ALL_REPORTING = (
 def leader_session_setup(
     keepalives_idle: int, keepalives_interval: int, keepalives_count: int, user_timeout_ms: int
 ) -> sql.Composed:
-    """Session settings of a leader's dedicated connection.
-
-    The server-side TCP keepalives make the server end a silently vanished leader's session
-    (and so its lock) within about the same time the leader needs to notice; statement and
-    idle timeouts configured for the role must not cut the campaign's waits."""
+    """Session settings of a leader's dedicated connection: server-side TCP keepalives end a
+    vanished leader's session (and lock) about when the leader notices, and the role's
+    statement and idle timeouts must not cut the campaign's waits."""
+    settings = (keepalives_idle, keepalives_interval, keepalives_count, user_timeout_ms)
     return sql.SQL(
         "SET tcp_keepalives_idle = {}; SET tcp_keepalives_interval = {}; "
         "SET tcp_keepalives_count = {}; SET tcp_user_timeout = {}; "
         "SET statement_timeout = 0; SET idle_in_transaction_session_timeout = 0"
-    ).format(
-        sql.Literal(keepalives_idle),
-        sql.Literal(keepalives_interval),
-        sql.Literal(keepalives_count),
-        sql.Literal(user_timeout_ms),
-    )
+    ).format(*map(sql.Literal, settings))
 
 
 LEADER_SESSION = (
@@ -443,10 +387,8 @@ LEADER_SESSION = (
 
 
 def new_term(server_version: int) -> sql.Composed:
-    """A number larger than every term handed out before: the 64-bit id of a transaction that
-    starts after the lock was won. Transaction ids are assigned in increasing order and never
-    wrap in their 64-bit form; committing synchronously makes the id durable, so a crash
-    cannot hand it out again."""
+    """A number larger than every term handed out before: the 64-bit id (increasing, never
+    wrapping) of a transaction begun after the lock was won, committed durably."""
     xid = (
         sql.SQL("pg_catalog.pg_current_xact_id()::text::bigint")
         if server_version >= 130000
@@ -463,10 +405,8 @@ def fence_wait(fence_key: int) -> sql.Composed:
 
 
 def leader_holds(key: int, pid: int, backend_start: object) -> sql.Composed:
-    """Does the session (pid, backend_start) hold the exclusive advisory lock ``key``?
-
-    ``backend_start`` guards against a reused pid; it reads NULL for another role's session
-    without pg_read_all_stats, and then the pid alone is checked."""
+    """Does the session (pid, backend_start) hold the exclusive advisory lock ``key``? The start
+    (NULL without pg_read_all_stats: then the pid alone counts) guards against a reused pid."""
     return sql.SQL(
         "SELECT EXISTS ("
         " SELECT 1 FROM pg_catalog.pg_locks l"
@@ -481,10 +421,9 @@ def leader_holds(key: int, pid: int, backend_start: object) -> sql.Composed:
     ).format(pid=sql.Literal(pid), key=sql.Literal(key), start=sql.Literal(backend_start))
 
 
-# Semaphores: the functions are in pglock/sql/0002_semaphores.up.sql. Each call is one
-# simple-query round trip with its values as literals, so the acquire can run in an explicit
-# READ COMMITTED transaction (its row lock and its reads must see the latest commits) whatever
-# the session's default isolation is.
+# Semaphores (pglock/sql/0002_semaphores.up.sql): each call is one simple query with literal
+# values, so the acquire can run at READ COMMITTED (its row lock and reads must see the latest
+# commits) whatever the session's default isolation is.
 
 
 def semaphore_acquire(
@@ -500,40 +439,23 @@ def semaphore_acquire(
     """One row: granted, held (live permits after the call), retry_in (seconds until the
     earliest live permit expires, when refused). A grant is committed durably even where
     ``synchronous_commit`` is off (the function turns it off for a refusal)."""
+    args = (name, limit, holder, permits, ttl, metadata_json, wait)
     return sql.SQL(
         "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL synchronous_commit = on; "
         "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; "
-        "SELECT granted, max_permits, held, retry_in FROM {s}.semaphore_acquire("
-        "{name}::text, {limit}::integer, {holder}::text, {permits}::integer, {ttl}::float8, "
-        "{metadata}::jsonb, {wait}::boolean); COMMIT"
-    ).format(
-        s=sql.Identifier(schema),
-        name=sql.Literal(name),
-        limit=sql.Literal(limit),
-        holder=sql.Literal(holder),
-        permits=sql.Literal(permits),
-        ttl=sql.Literal(ttl),
-        metadata=sql.Literal(metadata_json),
-        wait=sql.Literal(wait),
-    )
+        "SELECT granted, max_permits, held, retry_in FROM {}.semaphore_acquire("
+        "{}::text, {}::integer, {}::text, {}::integer, {}::float8, {}::jsonb, {}::boolean); COMMIT"
+    ).format(sql.Identifier(schema), *map(sql.Literal, args))
 
 
 def semaphore_extend(
     schema: str, permits: Sequence[tuple[str, Sequence[str], float]]
 ) -> sql.Composed:
-    """The holders renewed among the (name, holders, ttl) given, for any number of semaphores
-    in one round trip (the missing ones are no longer held). Committed durably even where
-    ``synchronous_commit`` is off: after a crash the server must not believe a permit ends
-    sooner than its holder does."""
+    """The holders renewed among the (name, holders, ttl) given, in one round trip. Committed
+    durably: after a crash the server must not believe a permit ends sooner than its holder."""
     renew = sql.SQL(" UNION ALL ").join(
-        sql.SQL(
-            "SELECT holder FROM {s}.semaphore_extend("
-            "{name}::text, {holders}::text[], {ttl}::float8)"
-        ).format(
-            s=sql.Identifier(schema),
-            name=sql.Literal(name),
-            holders=sql.Literal(list(holders)),
-            ttl=sql.Literal(ttl),
+        sql.SQL("SELECT holder FROM {}.semaphore_extend({}::text, {}::text[], {}::float8)").format(
+            sql.Identifier(schema), sql.Literal(name), sql.Literal(list(holders)), sql.Literal(ttl)
         )
         for name, holders, ttl in permits
     )
@@ -558,10 +480,7 @@ def semaphore_info(schema: str, name: str) -> sql.Composed:
 
 
 # --- leases (pglock/_lease.py) and the schema install (pglock/_schema.py) -------------------
-#
-# The lease functions are in pglock/sql/0001_leases.up.sql; these statements call them, and
-# pglock._lease renders them once per schema. Every call is one statement: one round trip, one
-# commit on an autocommit connection.
+# The lease functions are in pglock/sql/0001_leases.up.sql; each call is one statement.
 
 
 def lease_acquire(schema: str) -> sql.Composed:
@@ -623,10 +542,8 @@ def lease_list(schema: str) -> sql.Composed:
 
 
 # A lease statement that failed with a serialization failure or a deadlock (possible under a
-# REPEATABLE READ or SERIALIZABLE default isolation), or that the session's own
-# statement_timeout or lock_timeout cut short, is sent again inside these: at READ COMMITTED its
-# row locks and reads see the latest commits, so it cannot fail that way again, and the
-# session's timeouts are off for it (the statement's client-side deadline bounds it instead).
+# stricter default isolation), or that the session's own timeouts cut short, is sent again in
+# these: at READ COMMITTED it sees the latest commits, and a client-side deadline bounds it.
 LEASE_RETRY_BEGIN = (
     "BEGIN ISOLATION LEVEL READ COMMITTED;"
     " SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0"

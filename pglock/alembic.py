@@ -1,12 +1,6 @@
 """Alembic integration: serialize concurrent ``alembic upgrade`` runs with an advisory lock.
 
-When several instances of an application start at once and each runs its migrations,
-:func:`migration_lock` in the project's ``env.py`` lets one of them migrate while the others
-wait, then find nothing left to do. The lock is a session advisory lock held on a dedicated
-connection, not on the migration connection, so a revision may commit on its own
-(``op.get_context().autocommit_block()``, ``CREATE INDEX CONCURRENTLY``) without releasing it.
-
-The copy-paste ``env.py`` snippet is in docs/alembic.md.
+Why a dedicated connection and polling waiters, and the ``env.py`` snippet: docs/alembic.md.
 """
 
 from __future__ import annotations
@@ -18,9 +12,11 @@ from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import psycopg
+from psycopg.conninfo import make_conninfo
 
 from ._advisory import PgLock
 from ._classify import Kind, classify
+from ._deadline import connect_extra
 from ._keys import validate_name, validate_timeout
 from .errors import LockNotAcquired
 
@@ -34,10 +30,7 @@ _MAX_POLL = 1.0
 
 
 def migration_lock(
-    connection_or_url: object,
-    name: str = "alembic-migrations",
-    *,
-    timeout: float | None = None,
+    connection_or_url: object, name: str = "alembic-migrations", *, timeout: float | None = None
 ) -> contextlib.AbstractContextManager[None]:
     """Hold a session advisory lock on a dedicated connection while migrations run.
 
@@ -50,19 +43,11 @@ def migration_lock(
                     context.run_migrations()
 
     Take the lock before opening the migration connection, so that a process that waits has
-    not read the current revision yet: it reads it once the first process is done.
+    not read the current revision yet. Waiters poll (50 ms growing to 1 s) rather than block,
+    so that they hold no snapshot that ``CREATE INDEX CONCURRENTLY`` would wait for.
 
-    The waiting side polls (``pg_try_advisory_lock`` every 50 ms growing to 1 s) instead of
-    blocking in ``pg_advisory_lock``: a blocked statement holds a snapshot, and
-    ``CREATE INDEX CONCURRENTLY`` in the running migration waits for every older snapshot in
-    the database, which would deadlock with the waiters. Advisory locks are per database, so
-    migrations of different databases do not wait for each other.
-
-    :param connection_or_url: where to open the dedicated connection: a SQLAlchemy ``Engine``
-        or ``Connection`` (its engine checks out another connection when it uses the psycopg
-        driver; for another PostgreSQL driver, its URL is opened with psycopg), a SQLAlchemy
-        ``URL``, or a URL / libpq connection string. Behind a transaction-mode pooler
-        (PgBouncer), pass a URL that reaches Postgres directly.
+    :param connection_or_url: where to open the dedicated connection: a SQLAlchemy ``Engine``,
+        ``Connection`` or ``URL``, or a URL / libpq connection string (docs/alembic.md).
     :param name: the lock name; every process migrating the same database must use the same.
     :param timeout: seconds to wait for the lock; ``None`` waits until it is free.
     :raises pglock.LockNotAcquired: not acquired within ``timeout``.
@@ -73,8 +58,7 @@ def migration_lock(
     """
     validate_name(name)
     t = validate_timeout(timeout)
-    opener = _opener(connection_or_url)
-    return _hold(opener, name, t)
+    return _hold(_opener(connection_or_url), name, t)
 
 
 # An opener returns (connection for pglock, close(discard: bool)).
@@ -119,10 +103,6 @@ def _url_opener(url: Any) -> _Opener:
 
 def _psycopg_opener(dsn: str) -> _Opener:
     def open_() -> tuple[Any, Callable[[bool], None]]:
-        from psycopg.conninfo import make_conninfo
-
-        from ._deadline import connect_extra
-
         conn = psycopg.connect(make_conninfo(dsn, **connect_extra(dsn)), autocommit=True)
         return conn, lambda discard: conn.close()
 
@@ -172,7 +152,7 @@ def _wait(lock: PgLock, name: str, timeout: float | None) -> None:
     while not lock.acquire(blocking=False):
         now = time.monotonic()
         if deadline is not None and now >= deadline:
-            raise LockNotAcquired(name, key=lock.keys[0], timeout=timeout)
+            raise LockNotAcquired.for_names([name], keys=[lock.keys[0]], timeout=timeout)
         if not announced:
             logger.info("waiting for migration lock %r: another process is migrating", name)
             announced = True

@@ -19,10 +19,8 @@
           │                              same holder id on the same lease
           └── SchemaNotInstalled         the lease schema is missing; the message gives the fix
 
-Bad arguments raise the builtins ``ValueError`` and ``TypeError`` before any SQL is sent.
-
-Every error carries its context as attributes and pickles cleanly, so it survives a trip
-through ``multiprocessing`` or a task queue.
+Bad arguments raise ``ValueError`` and ``TypeError`` before any SQL. Every error carries its
+context as attributes and pickles cleanly (docs/reference/errors.md).
 """
 
 from __future__ import annotations
@@ -124,8 +122,7 @@ class LockLost(LockError):
     def __init__(self, name: str | None = None, *, reason: str = "lost") -> None:
         self.name = name
         self.reason = reason
-        what = f"lock {name!r}" if name is not None else "lock"
-        super().__init__(f"{what} was lost: {reason}")
+        super().__init__(f"{_describe(name, None)} was lost: {reason}")
 
     @classmethod
     def for_names(cls, names: Sequence[str], reason: str) -> LockLost:
@@ -148,14 +145,7 @@ class DeadlockDetected(LockError):
 
 class SelfDeadlock(LockError):
     """This thread asked for a lock that it already holds through another connection of the
-    same pool, and would wait for itself for ever.
-
-    A nested ``pool_lock`` (or ``Locker.lock``, a pooled ``rwlock``) checks out *another*
-    connection, another Postgres session, which waits for the outer session's lock; the outer
-    block cannot end while its own thread waits, and Postgres sees no deadlock (the cycle goes
-    through the client). pglock refuses the nested request at once, before any SQL and
-    whatever its timeout. Reuse the connection the outer block yielded: ``pg_lock(conn, ...)``
-    on it re-enters, counted.
+    same pool, and would wait for itself for ever (docs/pools.md). Refused before any SQL.
 
     :ivar name: the lock name this thread already holds through the pool.
     :ivar key: its 64-bit key.
@@ -166,16 +156,14 @@ class SelfDeadlock(LockError):
     ) -> None:
         self.name = name
         self.key = key
-        super().__init__(
-            message
-            or (
-                f"this thread already holds {_describe(name, key)} through this pool: a nested "
-                "lock would check out another connection (another Postgres session) and wait "
-                "for itself for ever; reuse the connection yielded by the outer block "
-                "(pglock.pg_lock(conn, ...) on it re-enters, counted) instead of nesting "
-                "through the pool"
-            )
+        default = (
+            f"this thread already holds {_describe(name, key)} through this pool: a nested "
+            "lock would check out another connection (another Postgres session) and wait "
+            "for itself for ever; reuse the connection yielded by the outer block "
+            "(pglock.pg_lock(conn, ...) on it re-enters, counted) instead of nesting "
+            "through the pool"
         )
+        super().__init__(message or default)
 
 
 class LockTableFull(LockError):
@@ -245,9 +233,8 @@ class UnsupportedServer(LockError):
 class LimitMismatch(LockError, ValueError):
     """The semaphore exists in the database with another limit than the one passed.
 
-    The first acquire stores a semaphore's limit; every later caller must pass the same, so
-    that two deployments can never disagree silently about how many may run at once. Change a
-    limit on purpose with ``UPDATE <schema>.semaphore SET max_permits = ... WHERE name = ...``.
+    Change a limit on purpose with
+    ``UPDATE <schema>.semaphore SET max_permits = ... WHERE name = ...``.
 
     :ivar name: the semaphore name.
     :ivar limit: the limit this caller passed.
@@ -268,13 +255,8 @@ class LimitMismatch(LockError, ValueError):
 
 class HolderInUse(LockError):
     """Another lease handle of this process, with the same holder id, is acquiring, holding or
-    releasing the same lease (same database, schema and name). Raised before any SQL.
-
-    The server re-enters a holder id that holds a lease, so two such handles would both be
-    granted, and the release of one would end the lease under the other. One holder id has
-    one live handle per lease in a process: release (or lose) the first one, or use another
-    holder id. ``resume=True`` takes a held lease over from the first handle instead (which
-    then reports it lost).
+    releasing the same lease (same database, schema and name). Raised before any SQL; see
+    docs/leases.md for why, and for ``resume=True``.
 
     :ivar name: the lease name.
     :ivar holder: the holder id.
@@ -300,14 +282,12 @@ class SchemaNotInstalled(LockError):
 
     def __init__(self, schema: str, *, message: str | None = None) -> None:
         self.schema = schema
-        super().__init__(
-            message
-            or (
-                f"the pglock schema {schema!r} is not installed in this database; install it "
-                f"with: pglock install --dsn <your DSN> --schema {schema}  "
-                "(or run 'alembic upgrade pglock@head' with pglock's migrations)"
-            )
+        default = (
+            f"the pglock schema {schema!r} is not installed in this database; install it "
+            f"with: pglock install --dsn <your DSN> --schema {schema}  "
+            "(or run 'alembic upgrade pglock@head' with pglock's migrations)"
         )
+        super().__init__(message or default)
 
     @classmethod
     def for_connection(cls, conn: Any, schema: str) -> SchemaNotInstalled:

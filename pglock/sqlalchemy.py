@@ -1,24 +1,5 @@
-"""SQLAlchemy integration: release advisory locks when a pooled connection is checked in.
-
-:func:`pglock.pg_lock`, :func:`pglock.xact_lock` and :func:`pglock.try_xact_lock` accept a
-SQLAlchemy ``Connection`` or an ORM ``Session`` directly, and :func:`pglock.pool_lock` an
-``Engine``. What is supported:
-
-========================================  ==================================================
-``postgresql+psycopg://`` (psycopg 3)      supported: Engine, Connection, Session
-other PostgreSQL drivers (psycopg2,        ``TypeError``: pglock talks to the psycopg 3
-pg8000, asyncpg, ...), other databases     connection underneath
-``AsyncEngine``, ``AsyncConnection``,      ``TypeError``: pglock is synchronous
-``AsyncSession``
-========================================  ==================================================
-
-The safety net for pooled connections is :func:`release_on_checkin`: it hooks the pool's
-``reset`` event (SQLAlchemy 2.0+) so that a connection returned to the pool holding an
-advisory lock (taken by raw SQL, or a ``pg_lock`` block that was never left) has it released,
-with a WARNING naming the keys, before anyone else can check it out.
-
-For ORM code, :func:`locked_session` holds a session lock around a ``Session`` whose commits
-do not give the connection (and the lock) back to the pool.
+"""SQLAlchemy integration: release advisory locks when a pooled connection is checked in, and
+hold a lock around an ORM ``Session``. Which engines and drivers are supported: docs/sqlalchemy.md.
 """
 
 from __future__ import annotations
@@ -55,10 +36,9 @@ def _on_reset(dbapi_connection: Any, connection_record: Any, reset_state: PoolRe
     if status == INERROR:
         raw.rollback()  # the pool rolls back next anyway; nothing can run before that
         status = IDLE
-    # In an open transaction the statement runs inside it (session locks are released at
-    # once all the same) and the pool's own reset ends it; if the connection was idle, end
-    # the transaction our statement began. An exception here makes SQLAlchemy invalidate
-    # the connection: it is never checked out again holding a lock.
+    # In an open transaction the statement runs inside it (session locks go at once all the
+    # same) and the pool's reset ends it. An exception here makes SQLAlchemy invalidate the
+    # connection: it is never checked out again holding a lock.
     release_all(raw, source="SQLAlchemy pool reset", end_own_transaction=status == IDLE)
 
 
@@ -66,12 +46,9 @@ def release_on_checkin(engine_or_pool: Engine | Pool) -> None:
     """Release every advisory lock a pooled connection still holds when it goes back to the
     pool: the SQLAlchemy counterpart of :func:`pglock.reset_connection`.
 
-    Listens to the pool's ``reset`` event (SQLAlchemy 2.0+), which runs on every return to the
-    pool (``Connection.close()``, the end of ``with engine.connect()``, ``Session.close()``)
-    and for detached connections. One statement lists the session's advisory locks and calls
-    ``pg_advisory_unlock_all()``; leaked keys are logged at WARNING on ``pglock.pool``. If it
-    fails, SQLAlchemy invalidates the connection instead of pooling it. Calling it again for
-    the same engine does nothing.
+    Hooks the pool's ``reset`` event (SQLAlchemy 2.0+); leaked keys are logged at WARNING on
+    ``pglock.pool``, and a connection whose release fails is invalidated, never pooled. Calling
+    it again for the same engine does nothing.
 
     :param engine_or_pool: a SQLAlchemy ``Engine`` (psycopg driver) or its ``Pool``.
     :raises TypeError: not an ``Engine`` or ``Pool``, or an engine with another driver.
@@ -110,12 +87,9 @@ def locked_session(
 ) -> contextlib.AbstractContextManager[Session]:
     """An ORM ``Session`` on a connection that holds a session advisory lock.
 
-    ``with locked_session(engine, "invoice:42") as session:`` checks a connection out of
-    ``engine`` and locks it as :func:`pglock.pool_lock` does, then yields a ``Session`` bound to
-    that connection. The body's work is committed at the end of the block (rolled back if it
-    raised), while the lock is still held; the body may also commit on its own. Because the
-    Session is bound to one connection, ``session.commit()`` does not return the connection,
-    and so the lock, to the pool, as it would for a Session bound to the engine.
+    Locks a connection of ``engine`` as :func:`pglock.pool_lock` does and yields a ``Session``
+    bound to it, so that ``session.commit()`` keeps the connection and the lock. The block's
+    work is committed at its end (rolled back if it raised), while the lock is still held.
 
     :param session_factory: a ``Session`` subclass or a ``sessionmaker``; called as
         ``session_factory(bind=connection)``.

@@ -1,22 +1,11 @@
-"""pglock's Alembic revisions, shipped inside the package; their SQL is in ``pglock/sql/``.
-
-``versions/`` holds the revisions of the ``pglock`` branch (branch label ``pglock``). Three ways
-to apply them, all equivalent and all safe to run concurrently:
-
-* ``pglock install --dsn DSN [--schema S]`` (no Alembic needed: :func:`pglock._schema.install`
-  runs the same statements);
-* your own Alembic: add :data:`VERSIONS_DIR` to ``version_locations`` and run
-  ``alembic upgrade pglock@head``;
-* from a checkout of pglock: ``alembic upgrade head`` with the repository's ``alembic.ini``.
-
-The schema name (default ``pglock``) comes from ``config.attributes["pglock_schema"]``, then
-``-x pglock_schema=...``, then the ``pglock_schema`` option of the ini file.
+"""pglock's Alembic revisions (branch ``pglock``), shipped inside the package; their SQL is in
+``pglock/sql/``. The ways to apply them, and the ``pglock_schema`` option: docs/leases.md.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -37,7 +26,9 @@ __all__ = [
     "VERSIONS_DIR",
     "alembic_execute",
     "alembic_schema",
+    "revision_functions",
     "sql_file",
+    "sql_text",
     "statements",
 ]
 
@@ -72,17 +63,20 @@ def _split_text(text: str) -> list[str]:
     return found
 
 
+def sql_text(template: str, schema: sql.Identifier) -> sql.Literal:
+    """``template`` with ``schema`` filled, as a string literal (for dynamic SQL in PL/pgSQL)."""
+    return sql.Literal(sql.SQL(template).format(schema).as_string(None))
+
+
 def statements(name: str, names: Mapping[str, sql.Composable]) -> list[sql.Composed]:
     """The statements of ``pglock/sql/<name>.sql`` with their ``{placeholders}`` filled."""
     return [sql.SQL(text).format(**names) for text in split(name)]
 
 
 def alembic_schema() -> str:
-    """The schema a revision installs into, when it runs under Alembic (validated).
-
-    Looked up in ``config.attributes["pglock_schema"]``, ``-x pglock_schema=...`` and the
-    ``pglock_schema`` ini option, in that order; ``pglock`` when none is set.
-    """
+    """The schema a revision installs into under Alembic (validated): from
+    ``config.attributes["pglock_schema"]``, ``-x pglock_schema=...`` or the ``pglock_schema``
+    ini option, in that order; else ``pglock``."""
     from alembic import context
 
     config = context.config
@@ -109,3 +103,28 @@ def alembic_execute(statements: list[Any]) -> None:
     bind = op.get_bind()
     for stmt in statements:
         bind.exec_driver_sql(stmt.as_string(None), execution_options={"no_parameters": True})
+
+
+_Statements = Callable[[str], list[sql.Composed]]
+
+
+def revision_functions(
+    stem: str, names: Callable[[str], Mapping[str, sql.Composable]]
+) -> tuple[_Statements, _Statements, Callable[[], None], Callable[[], None]]:
+    """A revision's ``upgrade_statements``, ``downgrade_statements`` (for a schema, run in one
+    transaction), ``upgrade`` and ``downgrade`` (Alembic's), from ``pglock/sql/<stem>.*.sql``
+    with the placeholders ``names(schema)`` fills."""
+
+    def upgrade_statements(schema: str) -> list[sql.Composed]:
+        return statements(f"{stem}.up", names(schema))
+
+    def downgrade_statements(schema: str) -> list[sql.Composed]:
+        return statements(f"{stem}.down", names(schema))
+
+    def upgrade() -> None:
+        alembic_execute(upgrade_statements(alembic_schema()))
+
+    def downgrade() -> None:
+        alembic_execute(downgrade_statements(alembic_schema()))
+
+    return upgrade_statements, downgrade_statements, upgrade, downgrade

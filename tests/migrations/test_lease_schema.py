@@ -312,6 +312,18 @@ def test_install_twice_changes_nothing_and_keeps_leases(db: str) -> None:
         assert info is not None and info.token == lease.token
 
 
+def test_public_install_applies_every_revision_once(db: str) -> None:
+    """``pglock.install`` (what ``pglock install`` runs) on a fresh database."""
+    every = [r.revision for r in _schema.revisions()]
+    assert pglock.install(db) == every
+    assert pglock.install(db) == []
+    with psycopg.connect(db, autocommit=True) as c:
+        assert pglock.install(c, schema="other_locks") == every
+        assert pglock.install(c, schema="other_locks") == []
+    assert objects(db) == installed_once()
+    assert objects(db, "other_locks") == installed_once("other_locks")
+
+
 def test_install_refuses_bad_input_before_connecting(db: str) -> None:
     unreachable = "postgresql://nobody@127.0.0.1:1/nothing"
     for bad in ("Bad", "a.b", "", "x" * 64, "pg_toast", 'p"; DROP SCHEMA public; --'):

@@ -1,7 +1,4 @@
-"""Leases: the lease table, the fencing-token sequence and the lease functions.
-
-Revision ID: pglock_0001
-Revises: (none: the root of the ``pglock`` branch)
+"""Leases: the lease table, the fencing-token sequence and the lease functions (the root).
 
 SQL: ``pglock/sql/0001_leases.up.sql`` and ``.down.sql`` (docs/reference/sql.md).
 """
@@ -11,7 +8,7 @@ from __future__ import annotations
 from psycopg import sql
 
 from pglock._contract import MAX_TTL, install_lock_key, lease_channel
-from pglock.migrations import alembic_execute, alembic_schema, statements
+from pglock.migrations import revision_functions, sql_text
 
 revision = "pglock_0001"
 down_revision = None
@@ -31,31 +28,14 @@ def _names(schema: str) -> dict[str, sql.Composable]:
         "max_ttl": sql.Literal(MAX_TTL),
         # The downgrade's refusal to drop live leases (dynamic SQL: the table may be gone).
         "lease_table": sql.Literal(f"{s.as_string(None)}.lease"),
-        "lock_leases": sql.Literal(
-            sql.SQL("LOCK TABLE {}.lease IN ACCESS EXCLUSIVE MODE").format(s).as_string(None)
+        "lock_leases": sql_text("LOCK TABLE {}.lease IN ACCESS EXCLUSIVE MODE", s),
+        "count_live": sql_text(
+            "SELECT count(*) FROM {}.lease WHERE expires_at > pg_catalog.clock_timestamp()", s
         ),
-        "count_live": sql.Literal(
-            sql.SQL(
-                "SELECT count(*) FROM {}.lease WHERE expires_at > pg_catalog.clock_timestamp()"
-            ).format(s).as_string(None)
-        ),
-        "drop_schema": sql.Literal(sql.SQL("DROP SCHEMA {}").format(s).as_string(None)),
+        "drop_schema": sql_text("DROP SCHEMA {}", s),
     }
 
 
-def upgrade_statements(schema: str) -> list[sql.Composed]:
-    """This revision's upgrade for ``schema`` (run in one transaction)."""
-    return statements("0001_leases.up", _names(schema))
-
-
-def downgrade_statements(schema: str) -> list[sql.Composed]:
-    """This revision's downgrade for ``schema`` (run in one transaction)."""
-    return statements("0001_leases.down", _names(schema))
-
-
-def upgrade() -> None:
-    alembic_execute(upgrade_statements(alembic_schema()))
-
-
-def downgrade() -> None:
-    alembic_execute(downgrade_statements(alembic_schema()))
+upgrade_statements, downgrade_statements, upgrade, downgrade = revision_functions(
+    "0001_leases", _names
+)

@@ -1,8 +1,5 @@
 """Semaphores: the stored limit of each semaphore and its permit rows, and their functions.
 
-Revision ID: pglock_0002
-Revises: pglock_0001
-
 SQL: ``pglock/sql/0002_semaphores.up.sql`` and ``.down.sql`` (docs/reference/sql.md).
 """
 
@@ -11,7 +8,7 @@ from __future__ import annotations
 from psycopg import sql
 
 from pglock._contract import LIMIT_MISMATCH, MAX_TTL, install_lock_key, semaphore_channel
-from pglock.migrations import alembic_execute, alembic_schema, statements
+from pglock.migrations import revision_functions, sql_text
 
 revision = "pglock_0002"
 down_revision = "pglock_0001"
@@ -30,33 +27,17 @@ def _names(schema: str) -> dict[str, sql.Composable]:
         "mismatch": sql.Literal(LIMIT_MISMATCH),
         # The downgrade's refusal to drop live permits (dynamic SQL: the table may be gone).
         "permit_table": sql.Literal(f"{s.as_string(None)}.semaphore_permit"),
-        "lock_permits": sql.Literal(
-            sql.SQL("LOCK TABLE {0}.semaphore, {0}.semaphore_permit IN ACCESS EXCLUSIVE MODE")
-            .format(s)
-            .as_string(None)
+        "lock_permits": sql_text(
+            "LOCK TABLE {0}.semaphore, {0}.semaphore_permit IN ACCESS EXCLUSIVE MODE", s
         ),
-        "count_live": sql.Literal(
-            sql.SQL(
-                "SELECT count(*) FROM {}.semaphore_permit"
-                " WHERE expires_at > pg_catalog.clock_timestamp()"
-            ).format(s).as_string(None)
+        "count_live": sql_text(
+            "SELECT count(*) FROM {}.semaphore_permit"
+            " WHERE expires_at > pg_catalog.clock_timestamp()",
+            s,
         ),
     }
 
 
-def upgrade_statements(schema: str) -> list[sql.Composed]:
-    """This revision's upgrade for ``schema`` (run in one transaction)."""
-    return statements("0002_semaphores.up", _names(schema))
-
-
-def downgrade_statements(schema: str) -> list[sql.Composed]:
-    """This revision's downgrade for ``schema`` (run in one transaction)."""
-    return statements("0002_semaphores.down", _names(schema))
-
-
-def upgrade() -> None:
-    alembic_execute(upgrade_statements(alembic_schema()))
-
-
-def downgrade() -> None:
-    alembic_execute(downgrade_statements(alembic_schema()))
+upgrade_statements, downgrade_statements, upgrade, downgrade = revision_functions(
+    "0002_semaphores", _names
+)

@@ -1,8 +1,5 @@
 """The name registry: which lock name each advisory-lock key stands for.
 
-Revision ID: pglock_0003
-Revises: pglock_0002
-
 SQL: ``pglock/sql/0003_lock_names.up.sql`` and ``.down.sql`` (docs/reference/sql.md).
 """
 
@@ -11,7 +8,7 @@ from __future__ import annotations
 from psycopg import sql
 
 from pglock._contract import install_lock_key
-from pglock.migrations import alembic_execute, alembic_schema, statements
+from pglock.migrations import revision_functions
 
 revision = "pglock_0003"
 down_revision = "pglock_0002"
@@ -27,19 +24,6 @@ def _names(schema: str) -> dict[str, sql.Composable]:
     }
 
 
-def upgrade_statements(schema: str) -> list[sql.Composed]:
-    """This revision's upgrade for ``schema`` (run in one transaction)."""
-    return statements("0003_lock_names.up", _names(schema))
-
-
-def downgrade_statements(schema: str) -> list[sql.Composed]:
-    """This revision's downgrade for ``schema`` (run in one transaction)."""
-    return statements("0003_lock_names.down", _names(schema))
-
-
-def upgrade() -> None:
-    alembic_execute(upgrade_statements(alembic_schema()))
-
-
-def downgrade() -> None:
-    alembic_execute(downgrade_statements(alembic_schema()))
+upgrade_statements, downgrade_statements, upgrade, downgrade = revision_functions(
+    "0003_lock_names", _names
+)
