@@ -1,14 +1,6 @@
-"""``pglock demo``: worker processes race for a batch of jobs, with pglock and then without.
-
-With no DSN the demo starts an embedded Postgres (the ``pgserver`` package, installed by the
-``embedded`` extra) in a temporary directory and removes it afterwards. With a DSN it works in a
-throwaway schema ``pglock_demo`` and drops it at the end.
-
-Each worker walks the same list of jobs. For every job it checks whether the job is done, "works"
-for a few milliseconds, records a run and marks the job done: a check-then-act race. With pglock
-each job is guarded by ``pg_lock(conn, "demo:job:<id>", timeout=0)`` (a worker skips a job another
-worker holds); without it, workers collide and jobs run twice.
-"""
+"""``pglock demo``: worker processes race for a batch of jobs (check whether done, work, mark
+done), guarded by ``pg_lock(conn, "demo:job:<id>", timeout=0)`` and then not; see
+docs/reference/cli.md. Without a DSN it runs on an embedded ``pgserver``."""
 
 from __future__ import annotations
 
@@ -37,6 +29,15 @@ CREATE SCHEMA pglock_demo;
 CREATE TABLE pglock_demo.jobs (id int PRIMARY KEY, done boolean NOT NULL DEFAULT false);
 CREATE TABLE pglock_demo.runs (job_id int NOT NULL, worker int NOT NULL, phase text NOT NULL);
 """
+
+
+def _connect(dsn: str) -> psycopg.Connection[Any]:
+    return psycopg.connect(dsn, autocommit=True, application_name="pglock-demo")
+
+
+def _done_and_runs(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    row = conn.execute("SELECT count(DISTINCT job_id), count(*) FROM pglock_demo.runs").fetchone()
+    return row or (0, 0)
 
 
 @dataclass
@@ -81,7 +82,7 @@ def embedded_server() -> Iterator[str]:
 
 def _worker(dsn: str, worker: int, jobs: int, use_lock: bool, phase: str) -> None:
     rnd = random.Random(worker)
-    with psycopg.connect(dsn, autocommit=True, application_name="pglock-demo") as conn:
+    with _connect(dsn) as conn:
         for job in range(jobs):
             if use_lock:
                 lock = pg_lock(conn, f"demo:job:{job}", timeout=0)
@@ -112,7 +113,7 @@ def _bar(done: int, total: int, dup: int, width: int = 30) -> str:
 def _run_phase(
     dsn: str, phase: str, use_lock: bool, workers: int, jobs: int, out: TextIO
 ) -> PhaseResult:
-    with psycopg.connect(dsn, autocommit=True, application_name="pglock-demo") as conn:
+    with _connect(dsn) as conn:
         conn.execute("TRUNCATE pglock_demo.jobs, pglock_demo.runs")
         conn.execute(
             "INSERT INTO pglock_demo.jobs (id) SELECT g FROM generate_series(0, %s) g",
@@ -131,9 +132,7 @@ def _run_phase(
         printed = ""
         while True:
             alive = any(p.is_alive() for p in procs)
-            done, runs = conn.execute(
-                "SELECT count(DISTINCT job_id), count(*) FROM pglock_demo.runs"
-            ).fetchone() or (0, 0)
+            done, runs = _done_and_runs(conn)
             line = _bar(done, jobs, runs - done)
             if tty:
                 out.write("\r  " + line)
@@ -156,20 +155,16 @@ def _run_phase(
             p.join(timeout=5)
             if p.exitcode != 0:
                 raise RuntimeError(f"a demo worker failed (exit code {p.exitcode})")
-        done, runs = conn.execute(
-            "SELECT count(DISTINCT job_id), count(*) FROM pglock_demo.runs"
-        ).fetchone() or (0, 0)
+        done, runs = _done_and_runs(conn)
     return PhaseResult(phase, done, runs, runs - done, elapsed)
 
 
 def _handoff_ms(dsn: str, rounds: int = 20) -> float:
     """Median time from release by one session to acquisition by a blocked one, in ms."""
     samples: list[float] = []
-    kw: dict[str, Any] = {"autocommit": True, "application_name": "pglock-demo"}
-    with psycopg.connect(dsn, **kw) as holder, psycopg.connect(dsn, **kw) as waiter:
+    with _connect(dsn) as holder, _connect(dsn) as waiter:
         for i in range(rounds):
             name = f"demo:handoff:{i}"
-            released_at: list[float] = []
             got_at: list[float] = []
             lock = pg_lock(holder, name)
             lock.acquire()
@@ -190,11 +185,11 @@ def _handoff_ms(dsn: str, rounds: int = 20) -> float:
                 if row and row[0]:
                     break
                 time.sleep(0.002)
-            released_at.append(time.perf_counter())
+            released_at = time.perf_counter()
             lock.release()
             t.join(timeout=5)
             if got_at:
-                samples.append((got_at[0] - released_at[0]) * 1000)
+                samples.append((got_at[0] - released_at) * 1000)
     return statistics.median(samples) if samples else float("nan")
 
 
@@ -207,7 +202,7 @@ def run_demo(
         if dsn is None:
             out.write("Starting an embedded Postgres (pgserver) in a temporary directory...\n")
             dsn = stack.enter_context(embedded_server())
-        with psycopg.connect(dsn, autocommit=True, application_name="pglock-demo") as conn:
+        with _connect(dsn) as conn:
             version = conn.execute("SHOW server_version").fetchone()
             conn.execute(_SCHEMA_SQL)
         out.write(f"Postgres {version[0] if version else '?'}; {workers} worker processes, "

@@ -19,13 +19,7 @@ from ._contract import DEFAULT_SCHEMA, validate_schema
 from ._keys import normalize_names, validate_name
 from .errors import SchemaNotInstalled
 
-__all__ = [
-    "AdvisoryLock",
-    "SemaphoreHolder",
-    "SemaphoreInfo",
-    "advisory_locks",
-    "semaphores",
-]
+__all__ = ["AdvisoryLock", "SemaphoreHolder", "SemaphoreInfo", "advisory_locks", "semaphores"]
 
 _MODES = {"ExclusiveLock": "exclusive", "ShareLock": "shared"}
 
@@ -156,17 +150,10 @@ def advisory_locks(
         )
 
     locks = [_advisory_lock(row) for row in _read(c, query)]
-    locks.sort(
-        key=lambda lk: (
-            lk.name is None,
-            lk.name or "",
-            lk.key or 0,
-            lk.key_pair or (0, 0),
-            not lk.granted,
-            lk.waiting_since or lk.observed_at,
-            lk.pid or 0,
-        )
-    )
+    locks.sort(key=lambda lk: (
+        lk.name is None, lk.name or "", lk.key or 0, lk.key_pair or (0, 0), not lk.granted,
+        lk.waiting_since or lk.observed_at, lk.pid or 0,
+    ))
     return locks
 
 
@@ -233,29 +220,12 @@ def _advisory_lock(row: tuple[Any, ...]) -> AdvisoryLock:
     else:
         waiting_since = waitstart
     return AdvisoryLock(
-        name=name,
-        key=key,
-        key_pair=pair,
-        mode=_MODES.get(mode, mode),
-        granted=granted,
-        pid=pid,
-        application_name=app,
-        client_addr=addr,
-        client_port=port,
-        user=user,
-        backend_start=backend_start,
-        xact_start=xact_start,
-        state=state,
-        query=query,
-        held_since=held_since,
-        held_since_basis=basis,
-        waiting_since=waiting_since,
-        blocked_by=tuple(blocking or ()),
-        observed_at=now,
+        name=name, key=key, key_pair=pair, mode=_MODES.get(mode, mode), granted=granted, pid=pid,
+        application_name=app, client_addr=addr, client_port=port, user=user,
+        backend_start=backend_start, xact_start=xact_start, state=state, query=query,
+        held_since=held_since, held_since_basis=basis, waiting_since=waiting_since,
+        blocked_by=tuple(blocking or ()), observed_at=now,
     )
-
-
-# --- semaphores -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -327,7 +297,7 @@ def semaphores(
 
     rows = _read(c, query)
     if rows is None:
-        raise SchemaNotInstalled(schema)
+        raise SchemaNotInstalled.for_connection(c, schema)
     out: dict[str, tuple[int, bool, list[SemaphoreHolder]]] = {}
     for sem, limit, waiters, holder, permits, acquired, expires, metadata, expires_in in rows:
         entry = out.setdefault(sem, (limit, waiters, []))

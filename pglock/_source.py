@@ -25,6 +25,8 @@ from ._deadline import NoAnswer, close_quietly, connect_extra, connect_within, w
 logger = logging.getLogger("pglock.source")
 
 T = TypeVar("T")
+#: A connection, and how to give it back (or close it).
+Checkout = tuple[psycopg.Connection[Any], Callable[[], None]]
 
 #: Most idle connections pglock keeps per DSN string.
 _DSN_MAX_IDLE = 4
@@ -48,8 +50,6 @@ WAIT_CHUNK = 30.0
 SHORT_DEADLINE = (1.0, 30.0)
 #: The longest a new NOTIFY listener takes to connect and LISTEN (seconds).
 LISTEN_DEADLINE = 10.0
-
-# --- deadlines -----------------------------------------------------------------------------------
 
 
 def short_deadline(ttl: float) -> float:
@@ -105,31 +105,19 @@ class Source:
         self.database: tuple[Any, ...] = key
 
     def run_once_more(
-        self,
-        execute: Callable[[psycopg.Connection[Any]], T],
-        user: str,
-        kind: str,
-        timeout: float | None = None,
-        deadline: float | None = None,
+        self, execute: Callable[[psycopg.Connection[Any]], T], user: str, kind: str,
+        timeout: float | None = None, deadline: float | None = None,
     ) -> tuple[T, bool]:
         """``execute(conn)`` on a connection of this source; return its result and whether it
-        was sent a second time.
+        was sent a second time: a statement whose connection is lost under it (left closed or
+        broken) is sent once more, on a connection checked for life first, so it must be safe
+        to send again. The second failure is raised caused by the first, with a note.
 
-        A statement whose connection is lost under it (the error leaves the connection closed
-        or broken: its backend was terminated, the server restarted, the network dropped) is
-        sent once more, on a connection checked for life first. The caller's statements must
-        be safe to send again (lease statements are idempotent per holder; see the callers).
-        A failure of the second attempt is raised as it comes (a psycopg error, caused by the
-        first one, with a note on Python 3.11+).
-
-        :param user: who sends it, for the log and the error note (``"lease"``,
-            ``"semaphore"``); the warning goes to the ``pglock.<user>`` logger.
+        :param user: ``"lease"``, ``"semaphore"``: the ``pglock.<user>`` logger, the note.
         :param kind: which statement (``"acquire"``, ``"release"``, ...).
         :param timeout: the longest wait for a pool connection (``None``: the pool's own).
-        :param deadline: a ``time.monotonic()`` instant by which the whole call (checkout,
-            statement, second attempt) is over: past it, :class:`NoAnswer` (a
-            ``psycopg.OperationalError``) is raised and the connection it was sent on is
-            closed; the statement may or may not have run. None: no deadline.
+        :param deadline: a ``time.monotonic()`` instant ending the whole call: past it,
+            :class:`NoAnswer` and the connection is closed (the statement may have run).
         """
         what = f"the {user} statement {kind!r}"
         conn, done = self._checkout(_checkout_wait(timeout, deadline), False, deadline)
@@ -169,23 +157,18 @@ class Source:
                 raise exc from first
             raise
 
-    def _checkout(
-        self, timeout: float | None, fresh: bool, deadline: float | None
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+    def _checkout(self, timeout: float | None, fresh: bool, deadline: float | None) -> Checkout:
         """A connection for one statement, and how to give it back (whatever its state).
 
-        :param fresh: after a lost connection: idle connections of the source may be dead
-            too, so hand out one that answered an empty statement (or a new one).
-        :param deadline: give up (:class:`NoAnswer`) when it passes, where the source allows
-            (a pool's checkout, a DSN source's connect, the pings).
+        :param fresh: after a lost connection (idle ones may be dead too): hand out one that
+            answered an empty statement, or a new one.
+        :param deadline: give up (:class:`NoAnswer`) then, where the source allows.
         """
         raise NotImplementedError
 
-    def open_listener(
-        self, deadline: float | None = None
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        """A new autocommit connection of its own, and how to close it (opened by
-        ``deadline`` where the source allows)."""
+    def open_listener(self, deadline: float | None = None) -> Checkout:
+        """A new autocommit connection of its own, and how to close it (by ``deadline``
+        where the source allows)."""
         raise NotImplementedError
 
 
@@ -223,9 +206,19 @@ def _alive(conn: psycopg.Connection[Any]) -> bool:
     return True
 
 
-def _alive_by(conn: psycopg.Connection[Any], deadline: float | None) -> bool:
-    """:func:`_alive`, cut off at ``deadline`` (then :class:`NoAnswer`)."""
-    return within(conn, deadline, lambda: _alive(conn), "a liveness check")
+def _pick(checkout: Callable[[], Checkout], tries: int, deadline: float | None) -> Checkout:
+    """Check out up to ``tries`` connections: the first that answers (pinged by ``deadline``),
+    else the last one, unpinged."""
+    for _ in range(tries - 1):
+        conn, done = checkout()
+        try:
+            if within(conn, deadline, functools.partial(_alive, conn), "a liveness check"):
+                return conn, done
+        except BaseException:
+            done()
+            raise
+        done()
+    return checkout()
 
 
 def _identity_of(conninfo: object, kwargs: object) -> tuple[Any, ...] | None:
@@ -243,9 +236,7 @@ def _identity_of(conninfo: object, kwargs: object) -> tuple[Any, ...] | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _identity_cached(
-    conninfo: str, extra: tuple[tuple[str, str], ...]
-) -> tuple[Any, ...] | None:
+def _identity_cached(conninfo: str, extra: tuple[tuple[str, str], ...]) -> tuple[Any, ...] | None:
     # Parsing a conninfo costs tens of microseconds; a source is made per lease handle.
     try:
         params: dict[str, Any] = dict(conninfo_to_dict(conninfo))
@@ -266,33 +257,23 @@ class PoolSource(Source):
         if identity is not None:
             self.database = identity
 
-    def _checkout(
-        self, timeout: float | None, fresh: bool, deadline: float | None
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+    def _checkout(self, timeout: float | None, fresh: bool, deadline: float | None) -> Checkout:
         pool = self.pool
         if timeout is not None:
             # A waiter's last look passes the sliver of time it has left; psycopg_pool
             # refuses a checkout outright once its timeout is spent, even with a connection
             # idle (PoolTimeout instead of an answer).
             timeout = max(timeout, _MIN_CHECKOUT)
+
+        def checkout() -> Checkout:
+            conn: psycopg.Connection[Any] = pool.getconn(timeout=timeout)
+            return conn, lambda: pool.putconn(conn)
+
         # The pool discards a connection given back closed or broken, and opens another.
         tries = min(_MAX_PINGS, int(getattr(pool, "max_size", 1) or 1) + 1) if fresh else 1
-        for attempt in range(tries):
-            conn: psycopg.Connection[Any] = pool.getconn(timeout=timeout)
-            if attempt == tries - 1:
-                break
-            try:
-                if _alive_by(conn, deadline):
-                    break
-            except BaseException:
-                pool.putconn(conn)
-                raise
-            pool.putconn(conn)
-        return conn, lambda: pool.putconn(conn)
+        return _pick(checkout, tries, deadline)
 
-    def open_listener(
-        self, deadline: float | None = None
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+    def open_listener(self, deadline: float | None = None) -> Checkout:
         pool = self.pool
         conninfo = pool.conninfo() if callable(pool.conninfo) else pool.conninfo
         kwargs = dict((pool.kwargs() if callable(pool.kwargs) else pool.kwargs) or {})
@@ -317,34 +298,21 @@ class EngineSource(Source):
         if isinstance(params, Mapping):
             self.database = database_identity(params)
 
-    def _checkout(
-        self, timeout: float | None, fresh: bool, deadline: float | None
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+    def _checkout(self, timeout: float | None, fresh: bool, deadline: float | None) -> Checkout:
         # The engine's pool has its own checkout timeout and connect arguments: pglock cannot
         # shorten them per call (the statements themselves keep their deadline).
-        tries = 1
-        if fresh:
-            # Idle connections that may be dead, plus a new one.
-            checkedin = getattr(self.engine.pool, "checkedin", None)
-            idle = checkedin() if callable(checkedin) else 0
-            tries = min(_MAX_PINGS, int(idle) + 1)
-        for attempt in range(tries):
+        def checkout() -> Checkout:
             raw = self.engine.raw_connection()
             conn: psycopg.Connection[Any] = raw.driver_connection
-            if attempt == tries - 1:
-                break
-            try:
-                if _alive_by(conn, deadline):
-                    break
-            except BaseException:
-                _engine_checkin(raw, conn)
-                raise
-            _engine_checkin(raw, conn)
-        return conn, lambda: _engine_checkin(raw, conn)
+            return conn, lambda: _engine_checkin(raw, conn)
 
-    def open_listener(
-        self, deadline: float | None = None
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+        tries = 1
+        if fresh:  # idle connections that may be dead, plus a new one
+            checkedin = getattr(self.engine.pool, "checkedin", None)
+            tries = min(_MAX_PINGS, int(checkedin() if callable(checkedin) else 0) + 1)
+        return _pick(checkout, tries, deadline)
+
+    def open_listener(self, deadline: float | None = None) -> Checkout:
         raw = self.engine.raw_connection()
         # Read it before detach(): a detached fairy no longer exposes its driver connection
         # (SQLAlchemy 2.1 gives None).
@@ -377,7 +345,6 @@ class DsnSource(Source):
 
     def __init__(self, dsn: str) -> None:
         super().__init__(("dsn", dsn))
-        self.dsn = dsn
         extra = connect_extra(dsn)
         self.conninfo = make_conninfo(dsn, **extra) if extra else dsn
         identity = _identity_of(dsn, None)
@@ -389,9 +356,7 @@ class DsnSource(Source):
     def _connect(self) -> psycopg.Connection[Any]:
         return psycopg.connect(self.conninfo, autocommit=True)
 
-    def _get(
-        self, *, fresh: bool = False, deadline: float | None = None
-    ) -> psycopg.Connection[Any]:
+    def _get(self, *, fresh: bool, deadline: float | None) -> psycopg.Connection[Any]:
         if fresh:
             # A connection was lost: the idle ones went the same way if the server restarted
             # or the network dropped. Close them all (cheap) and open a new one.
@@ -415,15 +380,11 @@ class DsnSource(Source):
                     return
         conn.close()
 
-    def _checkout(
-        self, timeout: float | None, fresh: bool, deadline: float | None
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+    def _checkout(self, timeout: float | None, fresh: bool, deadline: float | None) -> Checkout:
         conn = self._get(fresh=fresh, deadline=deadline)
         return conn, lambda: self._put(conn)
 
-    def open_listener(
-        self, deadline: float | None = None
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+    def open_listener(self, deadline: float | None = None) -> Checkout:
         conn = connect_within(self._connect, deadline, close_quietly)
         return conn, conn.close
 
@@ -498,9 +459,7 @@ def make_source(source: object, user: str) -> Source:
         return found
 
 
-def open_listening(
-    source: Source, channel: str, deadline: float | None = None
-) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+def open_listening(source: Source, channel: str, deadline: float | None = None) -> Checkout:
     """A new connection of ``source``'s own that LISTENs on ``channel``, and how to close it.
 
     :param deadline: a ``time.monotonic()`` instant by which the connection listens, or
