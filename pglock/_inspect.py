@@ -1,7 +1,5 @@
-"""Introspection: who holds and who waits for advisory locks (``pg_locks`` joined with
-``pg_stat_activity`` and the name registry, :mod:`pglock._registry`), and the semaphores.
-docs/how-it-works.md ("Who holds a lock, and since when") explains ``held_since``.
-"""
+"""Introspection: who holds and waits for advisory locks (``pg_locks``, ``pg_stat_activity``,
+the name registry; docs/how-it-works.md explains ``held_since``), and the semaphores."""
 
 from __future__ import annotations
 
@@ -118,16 +116,14 @@ def advisory_locks(
     """Who holds and who waits for advisory locks in ``conn``'s database.
 
     Locks are ordered by name (keys without a name last); for each lock, holders come first,
-    then waiters in the order they started waiting. Reading ``pg_locks``
-    takes a snapshot of the server's lock table: cheap, but not for a tight loop.
+    then waiters in the order they started waiting. Reading ``pg_locks`` takes a snapshot of
+    the server's lock table: cheap, but not for a tight loop.
 
     :param conn: a psycopg ``Connection`` (or a SQLAlchemy ``Connection``/``Session``); an idle
         connection is left idle.
     :param name: only this lock name (or these names); None lists every advisory lock.
     :param schema: the pglock schema whose name registry (``<schema>.lock_names``) gives the
-        names. Only that table is read, and only when pglock can trust it (owned by the
-        schema's owner, a trusted role; no trigger, rule or row security: see
-        docs/guarantees.md); otherwise every name is None.
+        names, when pglock can trust it (docs/guarantees.md); otherwise every name is None.
     :returns: one :class:`AdvisoryLock` per holding or waiting session.
     :raises TypeError: ``conn``, ``name`` or ``schema`` has the wrong type.
     :raises ValueError: an invalid name or schema name.
@@ -139,8 +135,7 @@ def advisory_locks(
     """
     keys = None if name is None else [k for k, _ in normalize_names(name)]
     validate_schema(schema)
-    target = _conn.resolve(conn, "advisory_locks")
-    c = target.conn
+    c = _conn.resolve(conn, "advisory_locks").conn
     waitstart = c.info.server_version >= 140000
 
     def query() -> list[tuple[Any, ...]]:
@@ -200,15 +195,10 @@ def _advisory_lock(row: tuple[Any, ...]) -> AdvisoryLock:
         backend_start, xact_start, query_start, state_change, state, _wait_event_type,
         query, waitstart, blocking, now, held_by_pid,
     ) = row
-    if objsubid == 1:
-        key: int | None = _int4(classid) * (1 << 32) + objid
-        pair = None
-    else:
-        key = None
-        pair = (_int4(classid), _int4(objid))
+    key = _int4(classid) * (1 << 32) + objid if objsubid == 1 else None
+    pair = None if objsubid == 1 else (_int4(classid), _int4(objid))
     held_since: datetime | None = None
     basis: Literal["statement", "session"] | None = None
-    waiting_since: datetime | None = None
     if granted:
         took = _latest_statement_took(query, key, pair, held_by_pid)
         if took and state == "active" and query_start is not None:
@@ -217,13 +207,11 @@ def _advisory_lock(row: tuple[Any, ...]) -> AdvisoryLock:
             held_since, basis = state_change, "statement"
         elif backend_start is not None:
             held_since, basis = backend_start, "session"
-    else:
-        waiting_since = waitstart
     return AdvisoryLock(
         name=name, key=key, key_pair=pair, mode=_MODES.get(mode, mode), granted=granted, pid=pid,
         application_name=app, client_addr=addr, client_port=port, user=user,
         backend_start=backend_start, xact_start=xact_start, state=state, query=query,
-        held_since=held_since, held_since_basis=basis, waiting_since=waiting_since,
+        held_since=held_since, held_since_basis=basis, waiting_since=None if granted else waitstart,
         blocked_by=tuple(blocking or ()), observed_at=now,
     )
 
@@ -286,8 +274,7 @@ def semaphores(
     if name is not None:
         validate_name(name)
     schema = validate_schema(schema)
-    target = _conn.resolve(conn, "semaphores")
-    c = target.conn
+    c = _conn.resolve(conn, "semaphores").conn
 
     def query() -> list[tuple[Any, ...]] | None:
         present = _conn.run(c, _sql.relations_exist(schema, ["semaphore", "semaphore_permit"]))

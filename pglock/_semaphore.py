@@ -92,10 +92,8 @@ def _run(
 
 
 class Permit(_ttl.Held):
-    """Permits held on a semaphore by one acquisition; returned by :meth:`Semaphore.hold`.
-
-    ``with sem.hold(permits=2) as permit:`` yields it. :meth:`check` raises
-    :class:`pglock.LockLost` if the keepalive lost the permits (they expired).
+    """Permits held on a semaphore by one acquisition, yielded by ``with sem.hold(...)``;
+    :meth:`check` raises :class:`pglock.LockLost` if the keepalive lost them (they expired).
 
     Thread safety: belongs to the thread that acquired it.
     """
@@ -162,8 +160,7 @@ class Permit(_ttl.Held):
 
     @classmethod
     def _renew_batch(cls, permits: list[Permit]) -> None:
-        """One ``semaphore_extend`` statement for the due permits of a (source, schema), of
-        every semaphore."""
+        """One ``semaphore_extend`` for the due permits of every semaphore of a (source, schema)."""
         live = [p for p in permits if p._live()]
         if not live:
             return

@@ -137,8 +137,7 @@ class Source:
             ) from first
         logging.getLogger(f"pglock.{user}").warning(
             "%s statement %r: the connection was lost (%s: %s); sending it once more on a "
-            "new connection",
-            user, kind, type(first).__name__, _first_line(first),
+            "new connection", user, kind, type(first).__name__, _first_line(first),
         )
         try:
             conn, done = self._checkout(_checkout_wait(timeout, deadline), True, deadline)
@@ -226,12 +225,9 @@ def _identity_of(conninfo: object, kwargs: object) -> tuple[Any, ...] | None:
     unknown, e.g. a callable conninfo, which is left uncalled)."""
     if not isinstance(conninfo, str):
         return None
+    given = kwargs if isinstance(kwargs, Mapping) else {}
     names = ("host", "hostaddr", "port", "user", "dbname")
-    extra: tuple[tuple[str, str], ...] = ()
-    if isinstance(kwargs, Mapping):
-        extra = tuple(
-            (k, str(kwargs[k])) for k in names if kwargs.get(k) not in (None, "")
-        )
+    extra = tuple((k, str(given[k])) for k in names if given.get(k) not in (None, ""))
     return _identity_cached(conninfo, extra)
 
 
@@ -253,9 +249,7 @@ class PoolSource(Source):
         super().__init__(("pool", id(pool)))
         self.pool = pool
         # A callable conninfo or kwargs is left uncalled: the identity is the pool itself.
-        identity = _identity_of(pool.conninfo, pool.kwargs)
-        if identity is not None:
-            self.database = identity
+        self.database = _identity_of(pool.conninfo, pool.kwargs) or self.key
 
     def _checkout(self, timeout: float | None, fresh: bool, deadline: float | None) -> Checkout:
         pool = self.pool
@@ -347,9 +341,7 @@ class DsnSource(Source):
         super().__init__(("dsn", dsn))
         extra = connect_extra(dsn)
         self.conninfo = make_conninfo(dsn, **extra) if extra else dsn
-        identity = _identity_of(dsn, None)
-        if identity is not None:
-            self.database = identity
+        self.database = _identity_of(dsn, None) or self.key
         self._idle: list[psycopg.Connection[Any]] = []
         self._lock = threading.Lock()
 
@@ -370,10 +362,9 @@ class DsnSource(Source):
         return connect_within(self._connect, deadline, self._put)
 
     def _put(self, conn: psycopg.Connection[Any]) -> None:
-        healthy = not (conn.closed or conn.broken) and (
+        if not (conn.closed or conn.broken) and (
             conn.info.transaction_status == TransactionStatus.IDLE
-        )
-        if healthy:
+        ):
             with self._lock:
                 if len(self._idle) < _DSN_MAX_IDLE:
                     self._idle.append(conn)
@@ -460,11 +451,8 @@ def make_source(source: object, user: str) -> Source:
 
 
 def open_listening(source: Source, channel: str, deadline: float | None = None) -> Checkout:
-    """A new connection of ``source``'s own that LISTENs on ``channel``, and how to close it.
-
-    :param deadline: a ``time.monotonic()`` instant by which the connection listens, or
-        :class:`NoAnswer` (the connect and the ``LISTEN`` are cut off then).
-    """
+    """A new connection of ``source``'s own that LISTENs on ``channel``, and how to close it;
+    :class:`NoAnswer` if it does not listen by ``deadline`` (a ``time.monotonic()`` instant)."""
     conn, close = source.open_listener(deadline)
     try:
         within(conn, deadline, lambda: _conn.fetch(conn, _sql.listen(channel)), "LISTEN")
