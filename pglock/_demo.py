@@ -116,8 +116,7 @@ def _run_phase(
     with _connect(dsn) as conn:
         conn.execute("TRUNCATE pglock_demo.jobs, pglock_demo.runs")
         conn.execute(
-            "INSERT INTO pglock_demo.jobs (id) SELECT g FROM generate_series(0, %s) g",
-            (jobs - 1,),
+            "INSERT INTO pglock_demo.jobs (id) SELECT g FROM generate_series(0, %s) g", (jobs - 1,)
         )
         ctx = multiprocessing.get_context("spawn")
         procs = [
@@ -179,8 +178,7 @@ def _handoff_ms(dsn: str, rounds: int = 20) -> float:
             while time.monotonic() < deadline:  # until the waiter is queued in Postgres
                 row = holder.execute(
                     "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
-                    "AND pid = %s",
-                    (waiter.info.backend_pid,),
+                    "AND pid = %s", (waiter.info.backend_pid,),
                 ).fetchone()
                 if row and row[0]:
                     break
@@ -218,12 +216,10 @@ def run_demo(
         finally:
             with psycopg.connect(dsn, autocommit=True) as conn:
                 conn.execute("DROP SCHEMA IF EXISTS pglock_demo CASCADE")
-        result = DemoResult(locked, unlocked, handoff)
         out.write("\nSummary\n")
-        out.write(f"  with pglock:   {locked.jobs} jobs done, {locked.runs} runs, "
-                  f"duplicates: {locked.duplicates}  ({locked.seconds:.1f} s)\n")
-        out.write(f"  without locks: {unlocked.jobs} jobs done, {unlocked.runs} runs, "
-                  f"duplicates: {unlocked.duplicates}  ({unlocked.seconds:.1f} s)\n")
+        for label, r in (("with pglock:  ", locked), ("without locks:", unlocked)):
+            out.write(f"  {label} {r.jobs} jobs done, {r.runs} runs, "
+                      f"duplicates: {r.duplicates}  ({r.seconds:.1f} s)\n")
         out.write(f"  handoff latency (release -> blocked waiter acquires, p50): "
                   f"{handoff:.2f} ms\n")
         if locked.duplicates == 0 and unlocked.duplicates > 0:
@@ -232,7 +228,7 @@ def run_demo(
             out.write("UNEXPECTED: duplicates with pglock. Please report this.\n")
         else:
             out.write("(This run happened to show no duplicates without locks; run it again.)\n")
-        return result
+        return DemoResult(locked, unlocked, handoff)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -43,8 +43,7 @@ class AdvisoryLock:
     """
 
     name: str | None
-    """The lock's name, when pglock took it in a database with the name registry installed (``pglock
-    install``); None for keys taken by other code."""
+    """The name pglock took it by (the name registry installed); None for keys of other code."""
     key: int | None
     """The signed 64-bit key (``pglock.key(name)``); None for a lock taken with two int4 keys."""
     key_pair: tuple[int, int] | None
@@ -74,9 +73,8 @@ class AdvisoryLock:
     held_since: datetime | None
     """Lower bound of the grant time; see :attr:`held_since_basis` (None for waiters)."""
     held_since_basis: Literal["statement", "session"] | None
-    """How :attr:`held_since` was derived: ``"statement"`` (the session's latest statement took
-    the lock: exact) or ``"session"`` (the session start: the lock is no older, so
-    :attr:`held_for` is an upper bound)."""
+    """How :attr:`held_since` was derived: ``"statement"`` (the latest statement took the lock:
+    exact) or ``"session"`` (the session start: :attr:`held_for` is an upper bound)."""
     waiting_since: datetime | None
     """When the waiter started waiting (``pg_locks.waitstart``, PostgreSQL 14+). None for holders,
     before PostgreSQL 14, and for a moment after the wait began (Postgres sets it lazily)."""
@@ -96,8 +94,8 @@ class AdvisoryLock:
 
     @property
     def held_for(self) -> float | None:
-        """Seconds since :attr:`held_since` (an upper bound when the basis is
-        ``"session"``); None for waiters."""
+        """Seconds since :attr:`held_since` (an upper bound for basis ``"session"``); None for
+        waiters."""
         if self.held_since is None:
             return None
         return max(0.0, (self.observed_at - self.held_since).total_seconds())
@@ -177,11 +175,9 @@ def _key_in_query(query: str | None, key: int) -> bool:
 def _latest_statement_took(
     query: str | None, key: int | None, pair: tuple[int, int] | None, held_by_pid: int
 ) -> bool:
-    """Did the session's latest statement grant this lock?
-
-    Yes when it calls an advisory-lock function with this key written in it, or when it is a
-    blocking lock call with the key as a parameter (pglock's fast path) and this is the only
-    advisory lock the session holds."""
+    """Did the session's latest statement grant this lock? Yes when it calls an advisory-lock
+    function with this key written in it, or is a blocking lock call with the key as a
+    parameter (pglock's fast path) and this is the session's only advisory lock."""
     if key is not None and _key_in_query(query, key):
         return True
     if pair is not None and _key_in_query(query, pair[0]) and _key_in_query(query, pair[1]):
@@ -248,8 +244,7 @@ class SemaphoreInfo:
     held: int
     """The live permits held now (the sum over :attr:`holders`)."""
     waiters: bool
-    """True when an acquire was refused and asked to be woken on release (someone waits, or waited
-    recently)."""
+    """True when a refused acquire asked to be woken on release (someone waits, or waited)."""
     holders: tuple[SemaphoreHolder, ...]
 
 

@@ -44,15 +44,6 @@ MAX_LIMIT = 2**31 - 1
 _EXPIRY_MARGIN = 0.005
 
 
-class Answer(NamedTuple):
-    """A ``semaphore_acquire`` row."""
-
-    granted: bool
-    max_permits: int
-    held: int
-    retry_in: float | None
-
-
 class Info(NamedTuple):
     """A ``semaphore_info`` row."""
 
@@ -439,8 +430,7 @@ class Semaphore(_base.BaseLock):
         waiter's attempt (see :func:`_ttl.wait`)."""
         holder = f"{self._owner}:{uuid.uuid4().hex}"
         stmt = _sql.semaphore_acquire(
-            self._schema, self._name, self._limit, holder, permits, self._ttl, self._metadata,
-            wait,
+            self._schema, self._name, self._limit, holder, permits, self._ttl, self._metadata, wait
         )
         sent = time.monotonic()
         cut_off = (sent + WAIT_CHUNK if deadline is None else deadline) + ANSWER_GRACE
@@ -459,7 +449,7 @@ class Semaphore(_base.BaseLock):
                 ) from exc
             raise
         received = time.monotonic()
-        granted, _max, held, retry_in = Answer._make(rows[0])
+        granted, _max, held, retry_in = rows[0]  # a semaphore_acquire row
         if not granted:
             logger.debug("semaphore %r: %d of %d held, %d more do not fit", self._name, held,
                          self._limit, permits)

@@ -66,10 +66,8 @@ def listen_deadline(wait_deadline: float | None) -> float:
 
 
 def database_identity(params: Mapping[str, Any]) -> tuple[str, ...]:
-    """Which database libpq parameters name, as far as can be told without connecting: host
-    (or socket directory, or address), port and database name, with libpq's defaults and
-    environment variables. Two spellings of one server (``localhost`` and ``127.0.0.1``) give
-    two identities."""
+    """Which database libpq parameters name, as far as can be told without connecting (host,
+    port, database, with libpq's defaults and environment; ``localhost`` is not 127.0.0.1)."""
 
     def get(key: str, env: str) -> str:
         value = params.get(key)
@@ -88,14 +86,11 @@ def database_identity(params: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 class Source:
-    """Where statements run: each one on a connection of its own, in autocommit.
-
-    A subclass says how to check a connection out (:meth:`_checkout`) and back in;
-    :meth:`run_once_more` is the one place a caller's statements are sent from.
+    """Where statements run, each on a connection of its own, in autocommit, all sent from
+    :meth:`run_once_more`; a subclass implements :meth:`_checkout` and :meth:`open_listener`.
 
     :ivar key: this source (a pool, an engine, a DSN string) within the process.
-    :ivar database: the database it connects to, as far as can be told without connecting
-        (:func:`database_identity`; its ``key`` when it cannot be told).
+    :ivar database: :func:`database_identity` of where it connects, else its ``key``.
     """
 
     kind = "?"
@@ -157,12 +152,9 @@ class Source:
             raise
 
     def _checkout(self, timeout: float | None, fresh: bool, deadline: float | None) -> Checkout:
-        """A connection for one statement, and how to give it back (whatever its state).
-
-        :param fresh: after a lost connection (idle ones may be dead too): hand out one that
-            answered an empty statement, or a new one.
-        :param deadline: give up (:class:`NoAnswer`) then, where the source allows.
-        """
+        """A connection for one statement and how to give it back; ``fresh`` (after a lost
+        connection): one that answered an empty statement, or a new one; :class:`NoAnswer`
+        past ``deadline`` where the source allows."""
         raise NotImplementedError
 
     def open_listener(self, deadline: float | None = None) -> Checkout:
@@ -330,10 +322,8 @@ def _engine_checkin(raw: Any, conn: psycopg.Connection[Any]) -> None:
 
 
 class DsnSource(Source):
-    """A few autocommit connections pglock opens for a DSN string, reused, closed at exit.
-
-    They get :data:`CONNECT_DEFAULTS` (connect timeout, TCP keepalives, ``tcp_user_timeout``)
-    where the DSN does not set them."""
+    """A few autocommit connections pglock opens for a DSN string (with the
+    :data:`CONNECT_DEFAULTS` it does not set), reused, closed at exit."""
 
     kind = "dsn"
 
@@ -420,12 +410,9 @@ if hasattr(os, "register_at_fork"):
 
 
 def make_source(source: object, user: str) -> Source:
-    """Resolve where a ``user`` (``"lease"``, ``"semaphore"``: named in the errors) runs its
-    statements, without sending any SQL.
+    """Resolve where a ``user`` (``"lease"``, ``"semaphore"``) runs its statements, without I/O.
 
-    :raises TypeError: not a pool, an Engine on the psycopg driver or a DSN string.
-    :raises ValueError: an empty or unparsable DSN string.
-    """
+    :raises TypeError, ValueError: not a pool, an Engine on psycopg or a DSN; a bad DSN."""
     own = (
         f"a {user} runs its statements on connections of its own, never in the caller's "
         "transaction: pass the pool or Engine they come from, or a DSN"

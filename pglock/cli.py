@@ -148,11 +148,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     dsn = _dsn(args)
-    conn = psycopg.connect(
-        make_conninfo(dsn, **connect_extra(dsn)), autocommit=True,
-        application_name="pglock status",
-    )
-    with conn:
+    conninfo = make_conninfo(dsn, **connect_extra(dsn))
+    with psycopg.connect(conninfo, autocommit=True, application_name="pglock status") as conn:
         if args.watch is None:
             _print_status(args, status_snapshot(conn, names, schema))
             return EXIT_OK
@@ -327,21 +324,18 @@ def _advisory_section(locks: list[dict[str, Any]], verbose: bool) -> list[str]:
     lines = [f"Advisory locks: {held} held, {len(locks) - held} waiting"]
     if not locks:
         return lines
-    rows: list[list[str]] = []
-    bounded = False
-    previous = None
-    for lk in locks:
-        row, bound = _advisory_row(lk, lk["label"] == previous)
-        previous = lk["label"]
-        rows.append(row)
-        bounded = bounded or bound
-    table = _table(["LOCK", "MODE", "STATE", "PID", "APPLICATION", "CLIENT", "FOR"], rows)
+    rows = [  # a lock's second and later sessions leave the LOCK column empty
+        _advisory_row(lk, i > 0 and lk["label"] == locks[i - 1]["label"])
+        for i, lk in enumerate(locks)
+    ]
+    header = ["LOCK", "MODE", "STATE", "PID", "APPLICATION", "CLIENT", "FOR"]
+    table = _table(header, [row for row, _ in rows])
     lines.append(table[0])
     for line, lk in zip(table[1:], locks, strict=True):
         lines.append(line)
         if verbose and lk["query"]:
             lines.append("      query: " + _cut(" ".join(lk["query"].split()), 100))
-    if bounded:
+    if any(bounded for _, bounded in rows):
         lines.append(
             "  <= : at most this long (the session ran other statements since it took the "
             "lock; this is the session's age)"
