@@ -59,19 +59,17 @@ class DemoResult:
 @contextlib.contextmanager
 def embedded_server() -> Iterator[str]:
     """Start a throwaway Postgres from the ``pgserver`` package; yield its DSN."""
-    tmp = tempfile.mkdtemp(prefix="pglock-demo-")
     with warnings.catch_warnings():
-        # pgserver asks platformdirs for a runtime directory, which warns when XDG_RUNTIME_DIR
-        # is unset (containers, CI); the fallback it uses is fine.
+        # pgserver's platformdirs warns when XDG_RUNTIME_DIR is unset (CI); its fallback is fine.
         warnings.simplefilter("ignore")
         try:
             import pgserver
         except ImportError:
-            shutil.rmtree(tmp, ignore_errors=True)
             raise RuntimeError(
                 "the demo needs a Postgres server: pass --dsn, or install the embedded server "
                 "with pip install 'pglock[embedded]'"
             ) from None
+        tmp = tempfile.mkdtemp(prefix="pglock-demo-")
         server = pgserver.get_server(tmp, cleanup_mode="stop")  # type: ignore[attr-defined]
     try:
         yield str(server.get_uri())
@@ -135,13 +133,12 @@ def _run_phase(
             line = _bar(done, jobs, runs - done)
             if tty:
                 out.write("\r  " + line)
-                out.flush()
             elif (done >= next_mark or not alive) and line != printed:
                 out.write("  " + line + "\n")
-                out.flush()
                 printed = line
                 while next_mark <= done:
                     next_mark += max(1, jobs // 4)
+            out.flush()
             if not alive:
                 break
             if time.monotonic() - start > 120:

@@ -23,8 +23,7 @@ _MODES = {"ExclusiveLock": "exclusive", "ShareLock": "shared"}
 
 # A call of any advisory-lock function (pglock's statements and hand-written ones).
 _LOCK_CALL = re.compile(r"pg_(?:try_)?advisory_(?:xact_)?lock(?:_shared)?\"?\s*\(", re.IGNORECASE)
-# pglock's single-key fast path: a blocking lock call with the key as a parameter. When such a
-# statement completed, it granted its key; which key, the text does not say.
+# pglock's fast path: a blocking lock call with the key as a parameter (granted, but which key?).
 _PARAM_LOCK = re.compile(
     r"pg_advisory_(?:xact_)?lock(?:_shared)?\"?\s*\(\s*\$1\s*\)", re.IGNORECASE
 )
@@ -34,12 +33,9 @@ _PARAM_LOCK = re.compile(
 class AdvisoryLock:
     """One session holding, or waiting for, an advisory lock (one row of ``pg_locks``).
 
-    Times come from the database server's clock; durations are measured against
-    :attr:`observed_at`, the server's clock when the snapshot was taken. Columns of
+    Times are the server's clock; durations run to :attr:`observed_at`. Columns of
     ``pg_stat_activity`` are None for sessions of other roles unless the caller is a superuser
-    or a member of ``pg_read_all_stats``.
-
-    Instances are immutable snapshots and can be shared between threads.
+    or a member of ``pg_read_all_stats``. An immutable snapshot: can be shared between threads.
     """
 
     name: str | None
@@ -152,8 +148,7 @@ def advisory_locks(
 
 def _read(conn: psycopg.Connection[Any], fn: Any) -> Any:
     """Run read-only ``fn`` and leave an idle connection idle (no dangling transaction)."""
-    status = _conn.check_usable(conn)
-    if status == IDLE and not conn.autocommit:
+    if _conn.check_usable(conn) == IDLE and not conn.autocommit:
         try:
             return fn()
         finally:

@@ -225,12 +225,8 @@ def _not_acquired(name: str, permits: int, timeout: float | None) -> LockNotAcqu
 
 
 class Semaphore(_base.BaseLock):
-    """A counting semaphore with weighted permits, shared by every process using the database.
-
-    At most ``limit`` permits are held at once, summed over all holders. The first acquire
-    stores the limit (another limit: :class:`pglock.LimitMismatch`). Permits expire ``ttl``
-    seconds after their last renewal (every ``ttl/3`` while held), so a crashed holder's come
-    back within ``ttl`` (docs/semaphores.md).
+    """A counting semaphore with weighted permits, shared by every process using the database
+    (made by :func:`pglock.semaphore`, which describes the limit and the TTL).
 
     * ``with sem:`` takes one permit; ``acquire(blocking=True, timeout=DEFAULT, permits=1)``
       and ``release()`` work like :class:`threading.Semaphore`; ``locked`` is True while the
@@ -279,8 +275,7 @@ class Semaphore(_base.BaseLock):
         return self._ttl
 
     def count(self) -> int:
-        """The number of live permits held now, by every holder (one query; 0 if the
-        semaphore was never used).
+        """The number of live permits held now, by every holder (one query; 0 if never used).
 
         :raises pglock.SchemaNotInstalled: the pglock schema is missing.
         """

@@ -32,12 +32,10 @@ Checkout = tuple[psycopg.Connection[Any], Callable[[], None]]
 _DSN_MAX_IDLE = 4
 #: The shortest wait for a pool connection (seconds), whatever time the caller has left.
 _MIN_CHECKOUT = 0.05
-#: After a lost connection, how many connections of a pool or an engine are tried at most
-#: (each one pinged) before the statement is sent on the last one anyway.
+#: After a lost connection, the most pool or engine connections pinged before sending anyway.
 _MAX_PINGS = 32
 
-# Deadlines of the lease and semaphore statements (one policy for both; see docs/leases.md,
-# "Deadlines and a silent network").
+# Deadlines of lease and semaphore statements: docs/leases.md, "Deadlines and a silent network".
 
 #: Seconds an acquire statement is given beyond its wait for its answer to arrive: past
 #: ``timeout + ANSWER_GRACE`` it is cut off (a silent network) and the acquire gives up.
@@ -246,9 +244,8 @@ class PoolSource(Source):
     def _checkout(self, timeout: float | None, fresh: bool, deadline: float | None) -> Checkout:
         pool = self.pool
         if timeout is not None:
-            # A waiter's last look passes the sliver of time it has left; psycopg_pool
-            # refuses a checkout outright once its timeout is spent, even with a connection
-            # idle (PoolTimeout instead of an answer).
+            # psycopg_pool refuses a checkout once its timeout is spent, even with a connection
+            # idle (PoolTimeout): a waiter's last look may pass the sliver of time it has left.
             timeout = max(timeout, _MIN_CHECKOUT)
 
         def checkout() -> Checkout:
@@ -285,8 +282,7 @@ class EngineSource(Source):
             self.database = database_identity(params)
 
     def _checkout(self, timeout: float | None, fresh: bool, deadline: float | None) -> Checkout:
-        # The engine's pool has its own checkout timeout and connect arguments: pglock cannot
-        # shorten them per call (the statements themselves keep their deadline).
+        # The engine's pool has its own checkout timeout: pglock cannot shorten it per call.
         def checkout() -> Checkout:
             raw = self.engine.raw_connection()
             conn: psycopg.Connection[Any] = raw.driver_connection
@@ -300,8 +296,7 @@ class EngineSource(Source):
 
     def open_listener(self, deadline: float | None = None) -> Checkout:
         raw = self.engine.raw_connection()
-        # Read it before detach(): a detached fairy no longer exposes its driver connection
-        # (SQLAlchemy 2.1 gives None).
+        # Read before detach(): a detached fairy gives None (SQLAlchemy 2.1).
         conn: psycopg.Connection[Any] = raw.driver_connection
         raw.detach()  # ours from now on: the pool forgets it and opens another when needed
         try:
@@ -340,8 +335,7 @@ class DsnSource(Source):
 
     def _get(self, *, fresh: bool, deadline: float | None) -> psycopg.Connection[Any]:
         if fresh:
-            # A connection was lost: the idle ones went the same way if the server restarted
-            # or the network dropped. Close them all (cheap) and open a new one.
+            # The idle ones likely died too (server restart, network drop): close them (cheap).
             self.close()
         with self._lock:
             while self._idle:
@@ -352,9 +346,7 @@ class DsnSource(Source):
         return connect_within(self._connect, deadline, self._put)
 
     def _put(self, conn: psycopg.Connection[Any]) -> None:
-        if not (conn.closed or conn.broken) and (
-            conn.info.transaction_status == TransactionStatus.IDLE
-        ):
+        if not (conn.closed or conn.broken) and conn.info.transaction_status == _conn.IDLE:
             with self._lock:
                 if len(self._idle) < _DSN_MAX_IDLE:
                     self._idle.append(conn)

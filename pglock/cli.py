@@ -1,8 +1,6 @@
-"""The ``pglock`` command (also ``python -m pglock``), described in docs/reference/cli.md.
-
-Each subcommand is a ``register_<name>(subparsers)`` in :data:`COMMANDS` that sets ``func``
-(arguments -> exit code). Errors are one line on stderr, ``pglock: error: ...``.
-"""
+"""The ``pglock`` command (also ``python -m pglock``; docs/reference/cli.md). Each subcommand is
+a ``register_<name>(subparsers)`` in :data:`COMMANDS` that sets ``func`` (arguments -> exit
+code). Errors are one line on stderr, ``pglock: error: ...``."""
 
 from __future__ import annotations
 
@@ -56,24 +54,21 @@ class _Parser(argparse.ArgumentParser):
 
 def one_line(exc: BaseException) -> str:
     """An exception as one readable line."""
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _database_args(p: argparse.ArgumentParser, schema_help: str) -> None:
     p.add_argument(
         "--dsn", default=None, help="libpq connection string or URL (default: $PGLOCK_DSN)"
     )
-    p.add_argument("--schema", default=None, help=schema_help)
+    p.add_argument("--schema", default=DEFAULT_SCHEMA, help=schema_help)
 
 
 def _schema_arg(args: argparse.Namespace) -> str:
-    schema: str = DEFAULT_SCHEMA if args.schema is None else args.schema
     try:
-        validate_schema(schema)
+        return validate_schema(args.schema)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    return schema
 
 
 def _dsn(args: argparse.Namespace) -> str:
@@ -85,8 +80,7 @@ def _dsn(args: argparse.Namespace) -> str:
 
 def register_install(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     p = subparsers.add_parser(
-        "install",
-        help="install or upgrade the pglock schema in a database",
+        "install", help="install or upgrade the pglock schema in a database",
         description=(
             "Install or upgrade the pglock schema (lease table, fencing-token sequence and "
             "functions). Idempotent; concurrent runs are safe."
@@ -108,15 +102,13 @@ def cmd_install(args: argparse.Namespace) -> int:
 
 def register_status(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     p = subparsers.add_parser(
-        "status",
-        help="show who holds and who waits for locks, leases and semaphores",
+        "status", help="show who holds and who waits for locks, leases and semaphores",
         description=(
             "Show the advisory locks of a database (holders and waiters, by name where pglock "
             "took them, with pid, application, client and how long), and the live leases and "
             "semaphores of the pglock schema."
         ),
-        epilog=EXIT_CODES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("names", nargs="*", metavar="NAME", help="only these lock names")
     _database_args(p, "schema of the name registry, leases and semaphores (default: pglock)")
@@ -205,10 +197,9 @@ def _error(section: str, schema: str, role: str | None, usage: bool | None) -> d
 
 
 def status_snapshot(conn: Any, names: list[str] | None, schema: str) -> dict[str, Any]:
-    """What ``pglock status`` shows, as plain data (the ``--json`` document).
-
-    A section the role may not read (SQLSTATE 42501) or that is not installed is None, with an
-    entry in ``errors``; the advisory locks need no grant, so their errors propagate."""
+    """What ``pglock status`` shows, as plain data (the ``--json`` document). A section not
+    installed or not readable (42501) is None with an entry in ``errors``; the advisory locks
+    need no grant, so their errors propagate."""
     c = _conn.resolve(conn, "pglock status").conn
     db, now, version, role, usage, registry = _conn.fetch(c, _sql.status_header(schema))[0][0]
     locks = _inspect.advisory_locks(conn, names, schema=schema)
@@ -384,8 +375,7 @@ def _semaphore_section(sems: list[dict[str, Any]]) -> list[str]:
 
 def register_demo(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     p = subparsers.add_parser(
-        "demo",
-        help="watch worker processes race for jobs with pglock and without",
+        "demo", help="watch worker processes race for jobs with pglock and without",
         description=(
             "Worker processes race for a batch of jobs, first guarded by pglock, then "
             "unguarded, and the summary counts the jobs that ran twice. Without --dsn an "
@@ -393,8 +383,7 @@ def register_demo(subparsers: argparse._SubParsersAction[_Parser]) -> None:
             "directory and removed afterwards; with --dsn the demo works in a throwaway schema "
             "pglock_demo that it drops at the end."
         ),
-        epilog=EXIT_CODES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
         "--dsn", default=None,
@@ -440,17 +429,11 @@ COMMANDS: list[Callable[[argparse._SubParsersAction[_Parser]], None]] = [
 
 def build_parser() -> _Parser:
     parser = _Parser(
-        prog=PROG,
-        description="pglock: distributed locks on Postgres alone.",
-        epilog=EXIT_CODES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=PROG, description="pglock: distributed locks on Postgres alone.",
+        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--version",
-        action="version",
-        version=f"{PROG} {__version__} (Python {platform.python_version()}, "
-        f"psycopg {psycopg.__version__})",
-    )
+    version = f"Python {platform.python_version()}, psycopg {psycopg.__version__}"
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__} ({version})")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for register in COMMANDS:
         register(subparsers)
