@@ -1,14 +1,6 @@
-"""``pglock demo``: worker processes race for a batch of jobs, with pglock and then without.
-
-With no DSN the demo starts an embedded Postgres (the ``pgserver`` package, installed by the
-``embedded`` extra) in a temporary directory and removes it afterwards. With a DSN it works in a
-throwaway schema ``pglock_demo`` and drops it at the end.
-
-Each worker walks the same list of jobs. For every job it checks whether the job is done, "works"
-for a few milliseconds, records a run and marks the job done: a check-then-act race. With pglock
-each job is guarded by ``pg_lock(conn, "demo:job:<id>", timeout=0)`` (a worker skips a job another
-worker holds); without it, workers collide and jobs run twice.
-"""
+"""``pglock demo``: worker processes race for a batch of jobs (check whether done, work, mark
+done), guarded by ``pg_lock(conn, "demo:job:<id>", timeout=0)`` and then not; see
+docs/reference/cli.md. Without a DSN it runs on an embedded ``pgserver``."""
 
 from __future__ import annotations
 
@@ -39,6 +31,15 @@ CREATE TABLE pglock_demo.runs (job_id int NOT NULL, worker int NOT NULL, phase t
 """
 
 
+def _connect(dsn: str) -> psycopg.Connection[Any]:
+    return psycopg.connect(dsn, autocommit=True, application_name="pglock-demo")
+
+
+def _done_and_runs(conn: psycopg.Connection[Any]) -> tuple[int, int]:
+    row = conn.execute("SELECT count(DISTINCT job_id), count(*) FROM pglock_demo.runs").fetchone()
+    return row or (0, 0)
+
+
 @dataclass
 class PhaseResult:
     phase: str
@@ -58,19 +59,17 @@ class DemoResult:
 @contextlib.contextmanager
 def embedded_server() -> Iterator[str]:
     """Start a throwaway Postgres from the ``pgserver`` package; yield its DSN."""
-    tmp = tempfile.mkdtemp(prefix="pglock-demo-")
     with warnings.catch_warnings():
-        # pgserver asks platformdirs for a runtime directory, which warns when XDG_RUNTIME_DIR
-        # is unset (containers, CI); the fallback it uses is fine.
+        # pgserver's platformdirs warns when XDG_RUNTIME_DIR is unset (CI); its fallback is fine.
         warnings.simplefilter("ignore")
         try:
             import pgserver
         except ImportError:
-            shutil.rmtree(tmp, ignore_errors=True)
             raise RuntimeError(
                 "the demo needs a Postgres server: pass --dsn, or install the embedded server "
                 "with pip install 'pglock[embedded]'"
             ) from None
+        tmp = tempfile.mkdtemp(prefix="pglock-demo-")
         server = pgserver.get_server(tmp, cleanup_mode="stop")  # type: ignore[attr-defined]
     try:
         yield str(server.get_uri())
@@ -81,7 +80,7 @@ def embedded_server() -> Iterator[str]:
 
 def _worker(dsn: str, worker: int, jobs: int, use_lock: bool, phase: str) -> None:
     rnd = random.Random(worker)
-    with psycopg.connect(dsn, autocommit=True, application_name="pglock-demo") as conn:
+    with _connect(dsn) as conn:
         for job in range(jobs):
             if use_lock:
                 lock = pg_lock(conn, f"demo:job:{job}", timeout=0)
@@ -112,11 +111,10 @@ def _bar(done: int, total: int, dup: int, width: int = 30) -> str:
 def _run_phase(
     dsn: str, phase: str, use_lock: bool, workers: int, jobs: int, out: TextIO
 ) -> PhaseResult:
-    with psycopg.connect(dsn, autocommit=True, application_name="pglock-demo") as conn:
+    with _connect(dsn) as conn:
         conn.execute("TRUNCATE pglock_demo.jobs, pglock_demo.runs")
         conn.execute(
-            "INSERT INTO pglock_demo.jobs (id) SELECT g FROM generate_series(0, %s) g",
-            (jobs - 1,),
+            "INSERT INTO pglock_demo.jobs (id) SELECT g FROM generate_series(0, %s) g", (jobs - 1,)
         )
         ctx = multiprocessing.get_context("spawn")
         procs = [
@@ -131,19 +129,16 @@ def _run_phase(
         printed = ""
         while True:
             alive = any(p.is_alive() for p in procs)
-            done, runs = conn.execute(
-                "SELECT count(DISTINCT job_id), count(*) FROM pglock_demo.runs"
-            ).fetchone() or (0, 0)
+            done, runs = _done_and_runs(conn)
             line = _bar(done, jobs, runs - done)
             if tty:
                 out.write("\r  " + line)
-                out.flush()
             elif (done >= next_mark or not alive) and line != printed:
                 out.write("  " + line + "\n")
-                out.flush()
                 printed = line
                 while next_mark <= done:
                     next_mark += max(1, jobs // 4)
+            out.flush()
             if not alive:
                 break
             if time.monotonic() - start > 120:
@@ -156,20 +151,16 @@ def _run_phase(
             p.join(timeout=5)
             if p.exitcode != 0:
                 raise RuntimeError(f"a demo worker failed (exit code {p.exitcode})")
-        done, runs = conn.execute(
-            "SELECT count(DISTINCT job_id), count(*) FROM pglock_demo.runs"
-        ).fetchone() or (0, 0)
+        done, runs = _done_and_runs(conn)
     return PhaseResult(phase, done, runs, runs - done, elapsed)
 
 
 def _handoff_ms(dsn: str, rounds: int = 20) -> float:
     """Median time from release by one session to acquisition by a blocked one, in ms."""
     samples: list[float] = []
-    kw: dict[str, Any] = {"autocommit": True, "application_name": "pglock-demo"}
-    with psycopg.connect(dsn, **kw) as holder, psycopg.connect(dsn, **kw) as waiter:
+    with _connect(dsn) as holder, _connect(dsn) as waiter:
         for i in range(rounds):
             name = f"demo:handoff:{i}"
-            released_at: list[float] = []
             got_at: list[float] = []
             lock = pg_lock(holder, name)
             lock.acquire()
@@ -184,17 +175,16 @@ def _handoff_ms(dsn: str, rounds: int = 20) -> float:
             while time.monotonic() < deadline:  # until the waiter is queued in Postgres
                 row = holder.execute(
                     "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
-                    "AND pid = %s",
-                    (waiter.info.backend_pid,),
+                    "AND pid = %s", (waiter.info.backend_pid,),
                 ).fetchone()
                 if row and row[0]:
                     break
                 time.sleep(0.002)
-            released_at.append(time.perf_counter())
+            released_at = time.perf_counter()
             lock.release()
             t.join(timeout=5)
             if got_at:
-                samples.append((got_at[0] - released_at[0]) * 1000)
+                samples.append((got_at[0] - released_at) * 1000)
     return statistics.median(samples) if samples else float("nan")
 
 
@@ -207,7 +197,7 @@ def run_demo(
         if dsn is None:
             out.write("Starting an embedded Postgres (pgserver) in a temporary directory...\n")
             dsn = stack.enter_context(embedded_server())
-        with psycopg.connect(dsn, autocommit=True, application_name="pglock-demo") as conn:
+        with _connect(dsn) as conn:
             version = conn.execute("SHOW server_version").fetchone()
             conn.execute(_SCHEMA_SQL)
         out.write(f"Postgres {version[0] if version else '?'}; {workers} worker processes, "
@@ -223,12 +213,10 @@ def run_demo(
         finally:
             with psycopg.connect(dsn, autocommit=True) as conn:
                 conn.execute("DROP SCHEMA IF EXISTS pglock_demo CASCADE")
-        result = DemoResult(locked, unlocked, handoff)
         out.write("\nSummary\n")
-        out.write(f"  with pglock:   {locked.jobs} jobs done, {locked.runs} runs, "
-                  f"duplicates: {locked.duplicates}  ({locked.seconds:.1f} s)\n")
-        out.write(f"  without locks: {unlocked.jobs} jobs done, {unlocked.runs} runs, "
-                  f"duplicates: {unlocked.duplicates}  ({unlocked.seconds:.1f} s)\n")
+        for label, r in (("with pglock:  ", locked), ("without locks:", unlocked)):
+            out.write(f"  {label} {r.jobs} jobs done, {r.runs} runs, "
+                      f"duplicates: {r.duplicates}  ({r.seconds:.1f} s)\n")
         out.write(f"  handoff latency (release -> blocked waiter acquires, p50): "
                   f"{handoff:.2f} ms\n")
         if locked.duplicates == 0 and unlocked.duplicates > 0:
@@ -237,7 +225,7 @@ def run_demo(
             out.write("UNEXPECTED: duplicates with pglock. Please report this.\n")
         else:
             out.write("(This run happened to show no duplicates without locks; run it again.)\n")
-        return result
+        return DemoResult(locked, unlocked, handoff)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,7 +1,5 @@
-"""Introspection: who holds and who waits for advisory locks (``pg_locks`` joined with
-``pg_stat_activity`` and the name registry, :mod:`pglock._registry`), and the semaphores.
-docs/how-it-works.md ("Who holds a lock, and since when") explains ``held_since``.
-"""
+"""Introspection: who holds and waits for advisory locks (``pg_locks``, ``pg_stat_activity``,
+the name registry; docs/how-it-works.md explains ``held_since``), and the semaphores."""
 
 from __future__ import annotations
 
@@ -19,20 +17,13 @@ from ._contract import DEFAULT_SCHEMA, validate_schema
 from ._keys import normalize_names, validate_name
 from .errors import SchemaNotInstalled
 
-__all__ = [
-    "AdvisoryLock",
-    "SemaphoreHolder",
-    "SemaphoreInfo",
-    "advisory_locks",
-    "semaphores",
-]
+__all__ = ["AdvisoryLock", "SemaphoreHolder", "SemaphoreInfo", "advisory_locks", "semaphores"]
 
 _MODES = {"ExclusiveLock": "exclusive", "ShareLock": "shared"}
 
 # A call of any advisory-lock function (pglock's statements and hand-written ones).
 _LOCK_CALL = re.compile(r"pg_(?:try_)?advisory_(?:xact_)?lock(?:_shared)?\"?\s*\(", re.IGNORECASE)
-# pglock's single-key fast path: a blocking lock call with the key as a parameter. When such a
-# statement completed, it granted its key; which key, the text does not say.
+# pglock's fast path: a blocking lock call with the key as a parameter (granted, but which key?).
 _PARAM_LOCK = re.compile(
     r"pg_advisory_(?:xact_)?lock(?:_shared)?\"?\s*\(\s*\$1\s*\)", re.IGNORECASE
 )
@@ -42,17 +33,13 @@ _PARAM_LOCK = re.compile(
 class AdvisoryLock:
     """One session holding, or waiting for, an advisory lock (one row of ``pg_locks``).
 
-    Times come from the database server's clock; durations are measured against
-    :attr:`observed_at`, the server's clock when the snapshot was taken. Columns of
+    Times are the server's clock; durations run to :attr:`observed_at`. Columns of
     ``pg_stat_activity`` are None for sessions of other roles unless the caller is a superuser
-    or a member of ``pg_read_all_stats``.
-
-    Instances are immutable snapshots and can be shared between threads.
+    or a member of ``pg_read_all_stats``. An immutable snapshot: can be shared between threads.
     """
 
     name: str | None
-    """The lock's name, when pglock took it in a database with the name registry installed (``pglock
-    install``); None for keys taken by other code."""
+    """The name pglock took it by (the name registry installed); None for keys of other code."""
     key: int | None
     """The signed 64-bit key (``pglock.key(name)``); None for a lock taken with two int4 keys."""
     key_pair: tuple[int, int] | None
@@ -82,9 +69,8 @@ class AdvisoryLock:
     held_since: datetime | None
     """Lower bound of the grant time; see :attr:`held_since_basis` (None for waiters)."""
     held_since_basis: Literal["statement", "session"] | None
-    """How :attr:`held_since` was derived: ``"statement"`` (the session's latest statement took
-    the lock: exact) or ``"session"`` (the session start: the lock is no older, so
-    :attr:`held_for` is an upper bound)."""
+    """How :attr:`held_since` was derived: ``"statement"`` (the latest statement took the lock:
+    exact) or ``"session"`` (the session start: :attr:`held_for` is an upper bound)."""
     waiting_since: datetime | None
     """When the waiter started waiting (``pg_locks.waitstart``, PostgreSQL 14+). None for holders,
     before PostgreSQL 14, and for a moment after the wait began (Postgres sets it lazily)."""
@@ -104,8 +90,8 @@ class AdvisoryLock:
 
     @property
     def held_for(self) -> float | None:
-        """Seconds since :attr:`held_since` (an upper bound when the basis is
-        ``"session"``); None for waiters."""
+        """Seconds since :attr:`held_since` (an upper bound for basis ``"session"``); None for
+        waiters."""
         if self.held_since is None:
             return None
         return max(0.0, (self.observed_at - self.held_since).total_seconds())
@@ -124,16 +110,14 @@ def advisory_locks(
     """Who holds and who waits for advisory locks in ``conn``'s database.
 
     Locks are ordered by name (keys without a name last); for each lock, holders come first,
-    then waiters in the order they started waiting. Reading ``pg_locks``
-    takes a snapshot of the server's lock table: cheap, but not for a tight loop.
+    then waiters in the order they started waiting. Reading ``pg_locks`` takes a snapshot of
+    the server's lock table: cheap, but not for a tight loop.
 
     :param conn: a psycopg ``Connection`` (or a SQLAlchemy ``Connection``/``Session``); an idle
         connection is left idle.
     :param name: only this lock name (or these names); None lists every advisory lock.
     :param schema: the pglock schema whose name registry (``<schema>.lock_names``) gives the
-        names. Only that table is read, and only when pglock can trust it (owned by the
-        schema's owner, a trusted role; no trigger, rule or row security: see
-        docs/guarantees.md); otherwise every name is None.
+        names, when pglock can trust it (docs/guarantees.md); otherwise every name is None.
     :returns: one :class:`AdvisoryLock` per holding or waiting session.
     :raises TypeError: ``conn``, ``name`` or ``schema`` has the wrong type.
     :raises ValueError: an invalid name or schema name.
@@ -145,8 +129,7 @@ def advisory_locks(
     """
     keys = None if name is None else [k for k, _ in normalize_names(name)]
     validate_schema(schema)
-    target = _conn.resolve(conn, "advisory_locks")
-    c = target.conn
+    c = _conn.resolve(conn, "advisory_locks").conn
     waitstart = c.info.server_version >= 140000
 
     def query() -> list[tuple[Any, ...]]:
@@ -156,24 +139,16 @@ def advisory_locks(
         )
 
     locks = [_advisory_lock(row) for row in _read(c, query)]
-    locks.sort(
-        key=lambda lk: (
-            lk.name is None,
-            lk.name or "",
-            lk.key or 0,
-            lk.key_pair or (0, 0),
-            not lk.granted,
-            lk.waiting_since or lk.observed_at,
-            lk.pid or 0,
-        )
-    )
+    locks.sort(key=lambda lk: (
+        lk.name is None, lk.name or "", lk.key or 0, lk.key_pair or (0, 0), not lk.granted,
+        lk.waiting_since or lk.observed_at, lk.pid or 0,
+    ))
     return locks
 
 
 def _read(conn: psycopg.Connection[Any], fn: Any) -> Any:
     """Run read-only ``fn`` and leave an idle connection idle (no dangling transaction)."""
-    status = _conn.check_usable(conn)
-    if status == IDLE and not conn.autocommit:
+    if _conn.check_usable(conn) == IDLE and not conn.autocommit:
         try:
             return fn()
         finally:
@@ -195,11 +170,9 @@ def _key_in_query(query: str | None, key: int) -> bool:
 def _latest_statement_took(
     query: str | None, key: int | None, pair: tuple[int, int] | None, held_by_pid: int
 ) -> bool:
-    """Did the session's latest statement grant this lock?
-
-    Yes when it calls an advisory-lock function with this key written in it, or when it is a
-    blocking lock call with the key as a parameter (pglock's fast path) and this is the only
-    advisory lock the session holds."""
+    """Did the session's latest statement grant this lock? Yes when it calls an advisory-lock
+    function with this key written in it, or is a blocking lock call with the key as a
+    parameter (pglock's fast path) and this is the session's only advisory lock."""
     if key is not None and _key_in_query(query, key):
         return True
     if pair is not None and _key_in_query(query, pair[0]) and _key_in_query(query, pair[1]):
@@ -213,15 +186,10 @@ def _advisory_lock(row: tuple[Any, ...]) -> AdvisoryLock:
         backend_start, xact_start, query_start, state_change, state, _wait_event_type,
         query, waitstart, blocking, now, held_by_pid,
     ) = row
-    if objsubid == 1:
-        key: int | None = _int4(classid) * (1 << 32) + objid
-        pair = None
-    else:
-        key = None
-        pair = (_int4(classid), _int4(objid))
+    key = _int4(classid) * (1 << 32) + objid if objsubid == 1 else None
+    pair = None if objsubid == 1 else (_int4(classid), _int4(objid))
     held_since: datetime | None = None
     basis: Literal["statement", "session"] | None = None
-    waiting_since: datetime | None = None
     if granted:
         took = _latest_statement_took(query, key, pair, held_by_pid)
         if took and state == "active" and query_start is not None:
@@ -230,32 +198,13 @@ def _advisory_lock(row: tuple[Any, ...]) -> AdvisoryLock:
             held_since, basis = state_change, "statement"
         elif backend_start is not None:
             held_since, basis = backend_start, "session"
-    else:
-        waiting_since = waitstart
     return AdvisoryLock(
-        name=name,
-        key=key,
-        key_pair=pair,
-        mode=_MODES.get(mode, mode),
-        granted=granted,
-        pid=pid,
-        application_name=app,
-        client_addr=addr,
-        client_port=port,
-        user=user,
-        backend_start=backend_start,
-        xact_start=xact_start,
-        state=state,
-        query=query,
-        held_since=held_since,
-        held_since_basis=basis,
-        waiting_since=waiting_since,
-        blocked_by=tuple(blocking or ()),
-        observed_at=now,
+        name=name, key=key, key_pair=pair, mode=_MODES.get(mode, mode), granted=granted, pid=pid,
+        application_name=app, client_addr=addr, client_port=port, user=user,
+        backend_start=backend_start, xact_start=xact_start, state=state, query=query,
+        held_since=held_since, held_since_basis=basis, waiting_since=None if granted else waitstart,
+        blocked_by=tuple(blocking or ()), observed_at=now,
     )
-
-
-# --- semaphores -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -290,8 +239,7 @@ class SemaphoreInfo:
     held: int
     """The live permits held now (the sum over :attr:`holders`)."""
     waiters: bool
-    """True when an acquire was refused and asked to be woken on release (someone waits, or waited
-    recently)."""
+    """True when a refused acquire asked to be woken on release (someone waits, or waited)."""
     holders: tuple[SemaphoreHolder, ...]
 
 
@@ -316,8 +264,7 @@ def semaphores(
     if name is not None:
         validate_name(name)
     schema = validate_schema(schema)
-    target = _conn.resolve(conn, "semaphores")
-    c = target.conn
+    c = _conn.resolve(conn, "semaphores").conn
 
     def query() -> list[tuple[Any, ...]] | None:
         present = _conn.run(c, _sql.relations_exist(schema, ["semaphore", "semaphore_permit"]))
@@ -327,7 +274,7 @@ def semaphores(
 
     rows = _read(c, query)
     if rows is None:
-        raise SchemaNotInstalled(schema)
+        raise SchemaNotInstalled.for_connection(c, schema)
     out: dict[str, tuple[int, bool, list[SemaphoreHolder]]] = {}
     for sem, limit, waiters, holder, permits, acquired, expires, metadata, expires_in in rows:
         entry = out.setdefault(sem, (limit, waiters, []))

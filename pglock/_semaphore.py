@@ -23,9 +23,9 @@ from ._classify import Deferred
 from ._contract import DEFAULT_SCHEMA, LIMIT_MISMATCH, semaphore_channel, validate_schema
 from ._deadline import NoAnswer
 from ._keys import DEFAULT, validate_name, validate_timeout
-from ._source import ANSWER_GRACE, WAIT_CHUNK, DsnSource, Source, short_deadline
-from ._source import make_source as _make_source
+from ._source import ANSWER_GRACE, WAIT_CHUNK, DsnSource, Source, make_source, short_deadline
 from ._validate import encode_metadata, validate_ttl
+from ._waiting import Attempt
 from .errors import LimitMismatch, LockLost, LockNotAcquired
 
 if TYPE_CHECKING:
@@ -44,15 +44,6 @@ MAX_LIMIT = 2**31 - 1
 _EXPIRY_MARGIN = 0.005
 
 
-class Answer(NamedTuple):
-    """A ``semaphore_acquire`` row."""
-
-    granted: bool
-    max_permits: int
-    held: int
-    retry_in: float | None
-
-
 class Info(NamedTuple):
     """A ``semaphore_info`` row."""
 
@@ -64,12 +55,7 @@ class Info(NamedTuple):
 
 #: Semaphores, to the shared TTL-row client. A waiter looks once more when its object's queue
 #: first subscribes to the NOTIFY listener (as this client always has).
-SEMAPHORES = _ttl.Rows(
-    "semaphore", semaphore_channel, look_again_on_subscribe=True
-)
-
-
-# --- validation ----------------------------------------------------------------------------------
+SEMAPHORES = _ttl.Rows("semaphore", semaphore_channel, look_again_on_subscribe=True)
 
 
 def _count_arg(value: object, what: str) -> int:
@@ -80,31 +66,13 @@ def _count_arg(value: object, what: str) -> int:
     return value
 
 
-def _default_owner() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}"
-
-
-# --- where statements run ------------------------------------------------------------------------
-
-
-def make_source(source: object) -> Source:
-    """Resolve a semaphore source without I/O. :raises TypeError, ValueError:"""
-    return _make_source(source, "semaphore")
-
-
 def _run(
-    source: Source,
-    kind: str,
-    schema: str,
-    stmt: sql.Composed,
-    deadline: float | None,
+    source: Source, kind: str, schema: str, stmt: sql.Composed, deadline: float | None,
     timeout: float | None = None,
 ) -> tuple[list[tuple[Any, ...]], bool]:
-    """Send one semaphore statement batch (:func:`_ttl.run`): its rows, and whether it was
-    sent a second time because its connection died. That is safe: extend, info and release
-    (its answer aside) are idempotent, and an acquire's holder id is its own, so a committed
-    first attempt makes the second fail on the primary key (that permit expires at its TTL).
-    """
+    """Send one semaphore batch (:func:`_ttl.run`): its rows, and whether it was sent twice.
+    Safe: extend, info and release are idempotent; an acquire sent twice fails on its own
+    holder id's primary key (a committed first attempt expires at its TTL)."""
     try:
         return _ttl.run(SEMAPHORES, source, kind, schema, stmt, timeout=timeout, deadline=deadline)
     except psycopg.Error as exc:
@@ -114,14 +82,9 @@ def _run(
         raise translated from exc
 
 
-# --- permits and the semaphore ---------------------------------------------------------------
-
-
 class Permit(_ttl.Held):
-    """Permits held on a semaphore by one acquisition; returned by :meth:`Semaphore.hold`.
-
-    ``with sem.hold(permits=2) as permit:`` yields it. :meth:`check` raises
-    :class:`pglock.LockLost` if the keepalive lost the permits (they expired).
+    """Permits held on a semaphore by one acquisition, yielded by ``with sem.hold(...)``;
+    :meth:`check` raises :class:`pglock.LockLost` if the keepalive lost them (they expired).
 
     Thread safety: belongs to the thread that acquired it.
     """
@@ -175,8 +138,6 @@ class Permit(_ttl.Held):
         state = "held" if self.locked else ("released" if self._released else "lost")
         return f"<pglock.Permit {self.name!r} permits={self.permits} {state}>"
 
-    # -- the keepalive's hooks -------------------------------------------------------------
-
     def _live(self) -> bool:
         return not self._released and self._lost is None
 
@@ -190,8 +151,7 @@ class Permit(_ttl.Held):
 
     @classmethod
     def _renew_batch(cls, permits: list[Permit]) -> None:
-        """One ``semaphore_extend`` statement for the due permits of a (source, schema), of
-        every semaphore."""
+        """One ``semaphore_extend`` for the due permits of every semaphore of a (source, schema)."""
         live = [p for p in permits if p._live()]
         if not live:
             return
@@ -260,72 +220,46 @@ class _Hold:
 
 
 def _not_acquired(name: str, permits: int, timeout: float | None) -> LockNotAcquired:
-    within = (
-        "" if timeout is None else " (all taken)" if timeout == 0 else f" within {timeout:.2f} s"
-    )
-    return LockNotAcquired(
-        name, timeout=timeout,
-        message=f"could not acquire {permits} permit(s) of semaphore {name!r}{within}",
-    )
+    what = f"{permits} permit(s) of semaphore"
+    return LockNotAcquired.for_names([name], timeout=timeout, what=what, busy="all taken")
 
 
 class Semaphore(_base.BaseLock):
-    """A counting semaphore with weighted permits, shared by every process using the database.
+    """A counting semaphore with weighted permits, shared by every process using the database
+    (made by :func:`pglock.semaphore`, which describes the limit and the TTL).
 
-    At most ``limit`` permits are held at once, summed over all holders; an acquisition may take
-    several (``permits=k``). The limit is stored with the semaphore by its first acquire; a
-    caller passing another limit gets :class:`pglock.LimitMismatch`. A holder's permits expire
-    ``ttl`` seconds after their last renewal (pglock's keepalive renews them every ``ttl/3``,
-    with the other permits and leases of their source), so a crashed holder's permits come
-    back within ``ttl``.
-
-    * ``with sem:`` takes one permit (waits as long as needed), ``acquire()``/``release()``
-      like :class:`threading.Semaphore` (``release()`` gives back this thread's latest);
-      ``locked`` is True while the calling thread holds a permit taken with ``acquire()``;
-    * ``with sem.hold(permits=2, timeout=5) as permit:`` takes two and yields a
-      :class:`Permit`;
-    * ``sem.count()`` is the number of live permits held now (one query).
+    * ``with sem:`` takes one permit; ``acquire(blocking=True, timeout=DEFAULT, permits=1)``
+      and ``release()`` work like :class:`threading.Semaphore`; ``locked`` is True while the
+      calling thread holds a permit taken with ``acquire()``;
+    * ``with sem.hold(permits=2, timeout=5) as permit:`` takes two and yields a :class:`Permit`;
+    * ``sem.count()`` is the number of live permits held now (one query);
+    * ``sem.close()`` wakes the threads waiting in ``acquire()`` or ``hold()``.
 
     Needs the pglock schema (``pglock install``). Thread safety: a Semaphore may be shared by
-    threads; waiters of one Semaphore object are served in arrival order, and only the first
-    one polls the database.
+    threads; waiters of one Semaphore object are served in arrival order.
     """
 
     def __init__(
-        self,
-        source: object,
-        name: str,
-        limit: int,
-        *,
-        ttl: float = 30.0,
-        schema: str = DEFAULT_SCHEMA,
-        metadata: Any = None,
-        timeout: float | None = None,
+        self, source: object, name: str, limit: int, *, ttl: float = 30.0,
+        schema: str = DEFAULT_SCHEMA, metadata: Any = None, timeout: float | None = None,
     ) -> None:
-        self._setup(name, limit, ttl, schema, metadata)
+        self._name = validate_name(name)
+        self._limit = _count_arg(limit, "limit")
+        self._ttl = validate_ttl(ttl, hint="permits are renewed while held")
+        self._schema = validate_schema(schema)
+        self._metadata = encode_metadata(metadata)
+        self._owner = f"{socket.gethostname()}:{os.getpid()}"
+        self._lock = threading.Lock()  # the fields below and those of its permits
+        self._held: dict[str, Permit] = {}
+        self._by_thread: dict[threading.Thread, list[Permit]] = {}
+        self._rng = random.Random()
         self._timeout = validate_timeout(timeout)
         if isinstance(source, Deferred):  # a Locker's pool: resolved at the first use
             self._get_source: Callable[[], object] = source.resolve
             self._source: Source | None = None
         else:
             self._get_source = lambda: source
-            self._source = make_source(source)
-
-    def _setup(self, name: str, limit: int, ttl: float, schema: str, metadata: Any) -> None:
-        self._name = validate_name(name)
-        self._limit = _count_arg(limit, "limit")
-        self._ttl = validate_ttl(ttl, hint="permits are renewed while held")
-        self._schema = validate_schema(schema)
-        self._metadata = encode_metadata(metadata)
-        self._owner = _default_owner()
-
-        self._lock = threading.Lock()  # the fields below and those of its permits
-        self._held: dict[str, Permit] = {}
-        self._by_thread: dict[threading.Thread, list[Permit]] = {}
-        self._rng = random.Random()
-        self._timeout: float | None = None
-
-    # -- introspection ------------------------------------------------------------------
+            self._source = make_source(source, "semaphore")
 
     @property
     def name(self) -> str:
@@ -341,8 +275,7 @@ class Semaphore(_base.BaseLock):
         return self._ttl
 
     def count(self) -> int:
-        """The number of live permits held now, by every holder (one query; 0 if the
-        semaphore was never used).
+        """The number of live permits held now, by every holder (one query; 0 if never used).
 
         :raises pglock.SchemaNotInstalled: the pglock schema is missing.
         """
@@ -350,10 +283,8 @@ class Semaphore(_base.BaseLock):
         return 0 if info is None else int(info.held)
 
     def _info(self, source: Source) -> Info | None:
-        rows = _run(
-            source, "info", self._schema, _sql.semaphore_info(self._schema, self._name),
-            short_deadline(self._ttl),
-        )[0]
+        stmt = _sql.semaphore_info(self._schema, self._name)
+        rows = _run(source, "info", self._schema, stmt, short_deadline(self._ttl))[0]
         return Info._make(rows[0]) if rows else None
 
     @property
@@ -371,7 +302,7 @@ class Semaphore(_base.BaseLock):
 
     def _src(self) -> Source:
         if self._source is None:
-            self._source = make_source(self._get_source())
+            self._source = make_source(self._get_source(), "semaphore")
         return self._source
 
     def _wait_key(self, source: Source) -> tuple[Any, ...]:
@@ -380,12 +311,9 @@ class Semaphore(_base.BaseLock):
 
     def close(self) -> None:
         """Wake the threads blocked in :meth:`acquire` or ``hold()`` (they get False, or
-        :class:`pglock.LockNotAcquired`, with nothing held), and close the connections pglock
-        keeps open for this semaphore, if nobody else uses them: the LISTEN connection of its
-        source and schema (opened by the first wait), and for a DSN source the few connections
-        kept for its statements. Optional: they close on their own (the LISTEN one after 30 s
-        without waiters) or at exit. Permits still held stay held and renewed; using the
-        semaphore again reopens what it needs.
+        :class:`pglock.LockNotAcquired`, with nothing held), and close the LISTEN connection
+        and a DSN source's connections if nobody else uses them. Optional (they close on their
+        own, or at exit); permits held stay held, and using the semaphore reopens what it needs.
         """
         super().close()
         src = self._source
@@ -394,8 +322,6 @@ class Semaphore(_base.BaseLock):
         _waiting.waiters.retire(self._wait_key(src)[:3])
         if isinstance(src, DsnSource):
             src.close()
-
-    # -- the threading.Semaphore-like API ----------------------------------------------
 
     def acquire(
         self, blocking: bool = True, timeout: float | None = DEFAULT, permits: int = 1
@@ -466,8 +392,6 @@ class Semaphore(_base.BaseLock):
         """
         return _Hold(self, _count_arg(permits, "permits"), validate_timeout(timeout))
 
-    # -- acquiring ------------------------------------------------------------------------
-
     def _take(self, permits: int, timeout: float | None) -> Permit | None:
         """One acquisition of ``permits``: the permit, or None (not in time, or closed)."""
         if permits > self._limit:
@@ -496,15 +420,12 @@ class Semaphore(_base.BaseLock):
             return None
         return permit
 
-    def _try(
-        self, source: Source, permits: int, deadline: float | None, *, wait: bool
-    ) -> _ttl.Attempt:
-        """One acquire statement (cut off at ``deadline`` plus grace; without a deadline, at
-        ``WAIT_CHUNK`` plus grace): the waiter's attempt (see :func:`_ttl.wait`)."""
+    def _try(self, source: Source, permits: int, deadline: float | None, *, wait: bool) -> Attempt:
+        """One acquire statement, cut off at ``deadline`` (or ``WAIT_CHUNK``) plus grace: the
+        waiter's attempt (see :func:`_ttl.wait`)."""
         holder = f"{self._owner}:{uuid.uuid4().hex}"
         stmt = _sql.semaphore_acquire(
-            self._schema, self._name, self._limit, holder, permits, self._ttl, self._metadata,
-            wait,
+            self._schema, self._name, self._limit, holder, permits, self._ttl, self._metadata, wait
         )
         sent = time.monotonic()
         cut_off = (sent + WAIT_CHUNK if deadline is None else deadline) + ANSWER_GRACE
@@ -523,7 +444,7 @@ class Semaphore(_base.BaseLock):
                 ) from exc
             raise
         received = time.monotonic()
-        granted, _max, held, retry_in = Answer._make(rows[0])
+        granted, _max, held, retry_in = rows[0]  # a semaphore_acquire row
         if not granted:
             logger.debug("semaphore %r: %d of %d held, %d more do not fit", self._name, held,
                          self._limit, permits)
@@ -548,11 +469,8 @@ class Semaphore(_base.BaseLock):
             "%g s, and is given back", self._name, took, self._ttl,
         )
         try:
-            _run(
-                source, "release", self._schema,
-                _sql.semaphore_release(self._schema, self._name, holder),
-                short_deadline(self._ttl),
-            )
+            stmt = _sql.semaphore_release(self._schema, self._name, holder)
+            _run(source, "release", self._schema, stmt, short_deadline(self._ttl))
         except Exception as exc:
             logger.info(
                 "giving back the late grant of semaphore %r failed (it expires at its TTL): %r",
@@ -572,8 +490,6 @@ class Semaphore(_base.BaseLock):
         if src is not None:
             _waiting.waiters.poke(self._wait_key(src), self)
 
-    # -- releasing ------------------------------------------------------------------------
-
     def _release_permit(self, permit: Permit) -> None:
         if permit._released:
             raise RuntimeError(f"this permit of semaphore {self._name!r} was already released")
@@ -585,10 +501,9 @@ class Semaphore(_base.BaseLock):
                     stack.remove(permit)
         _ttl.unregister(permit)
         try:
+            stmt = _sql.semaphore_release(self._schema, self._name, permit.holder)
             rows, again = _run(
-                self._src(), "release", self._schema,
-                _sql.semaphore_release(self._schema, self._name, permit.holder),
-                short_deadline(self._ttl),
+                self._src(), "release", self._schema, stmt, short_deadline(self._ttl)
             )
         finally:
             self._poke()  # local waiters try at once
@@ -615,28 +530,22 @@ class SemaphoreOptions(TypedDict, total=False):
 
 
 def semaphore(
-    source: object,
-    name: str,
-    limit: int,
-    *,
-    schema: str = DEFAULT_SCHEMA,
+    source: object, name: str, limit: int, *, schema: str = DEFAULT_SCHEMA,
     **options: Unpack[SemaphoreOptions],
 ) -> Semaphore:
     """A semaphore ``name`` allowing ``limit`` permits at once across all processes.
 
     :param source: a ``psycopg_pool.ConnectionPool``, a SQLAlchemy ``Engine`` (psycopg driver)
         or a DSN string; statements run on connections of their own from it.
-    :param limit: the number of permits (stored by the first acquire; every user must pass the
-        same).
+    :param limit: the number of permits (stored by the first acquire; every user passes it).
     :param schema: the pglock schema (default ``pglock``).
     :param options: keyword-only, the same for ``Locker.semaphore`` (``SemaphoreOptions``):
 
         * ``ttl`` (default 30): seconds a holder's permits outlive its last renewal (renewed
           every ``ttl/3`` while held); a crashed holder's permits come back within it;
-        * ``metadata`` (default None): a JSON value stored with each permit (shown in
-          ``semaphore_permit``);
-        * ``timeout`` (default None): the default of ``acquire()`` and ``with``: ``None``
-          waits as long as needed; ``0`` tries once; ``> 0`` waits that long.
+        * ``metadata`` (default None): a JSON value stored with each permit;
+        * ``timeout`` (default None): the default of ``acquire()`` and ``with`` (``None``
+          waits as long as needed; ``0`` tries once).
     :raises TypeError, ValueError: bad arguments, before any SQL.
 
     Example::

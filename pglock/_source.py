@@ -25,17 +25,17 @@ from ._deadline import NoAnswer, close_quietly, connect_extra, connect_within, w
 logger = logging.getLogger("pglock.source")
 
 T = TypeVar("T")
+#: A connection, and how to give it back (or close it).
+Checkout = tuple[psycopg.Connection[Any], Callable[[], None]]
 
 #: Most idle connections pglock keeps per DSN string.
 _DSN_MAX_IDLE = 4
 #: The shortest wait for a pool connection (seconds), whatever time the caller has left.
 _MIN_CHECKOUT = 0.05
-#: After a lost connection, how many connections of a pool or an engine are tried at most
-#: (each one pinged) before the statement is sent on the last one anyway.
+#: After a lost connection, the most pool or engine connections pinged before sending anyway.
 _MAX_PINGS = 32
 
-# Deadlines of the lease and semaphore statements (one policy for both; see docs/leases.md,
-# "Deadlines and a silent network").
+# Deadlines of lease and semaphore statements: docs/leases.md, "Deadlines and a silent network".
 
 #: Seconds an acquire statement is given beyond its wait for its answer to arrive: past
 #: ``timeout + ANSWER_GRACE`` it is cut off (a silent network) and the acquire gives up.
@@ -48,8 +48,6 @@ WAIT_CHUNK = 30.0
 SHORT_DEADLINE = (1.0, 30.0)
 #: The longest a new NOTIFY listener takes to connect and LISTEN (seconds).
 LISTEN_DEADLINE = 10.0
-
-# --- deadlines -----------------------------------------------------------------------------------
 
 
 def short_deadline(ttl: float) -> float:
@@ -66,10 +64,8 @@ def listen_deadline(wait_deadline: float | None) -> float:
 
 
 def database_identity(params: Mapping[str, Any]) -> tuple[str, ...]:
-    """Which database libpq parameters name, as far as can be told without connecting: host
-    (or socket directory, or address), port and database name, with libpq's defaults and
-    environment variables. Two spellings of one server (``localhost`` and ``127.0.0.1``) give
-    two identities."""
+    """Which database libpq parameters name, as far as can be told without connecting (host,
+    port, database, with libpq's defaults and environment; ``localhost`` is not 127.0.0.1)."""
 
     def get(key: str, env: str) -> str:
         value = params.get(key)
@@ -88,14 +84,11 @@ def database_identity(params: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 class Source:
-    """Where statements run: each one on a connection of its own, in autocommit.
-
-    A subclass says how to check a connection out (:meth:`_checkout`) and back in;
-    :meth:`run_once_more` is the one place a caller's statements are sent from.
+    """Where statements run, each on a connection of its own, in autocommit, all sent from
+    :meth:`run_once_more`; a subclass implements :meth:`_checkout` and :meth:`open_listener`.
 
     :ivar key: this source (a pool, an engine, a DSN string) within the process.
-    :ivar database: the database it connects to, as far as can be told without connecting
-        (:func:`database_identity`; its ``key`` when it cannot be told).
+    :ivar database: :func:`database_identity` of where it connects, else its ``key``.
     """
 
     kind = "?"
@@ -105,31 +98,19 @@ class Source:
         self.database: tuple[Any, ...] = key
 
     def run_once_more(
-        self,
-        execute: Callable[[psycopg.Connection[Any]], T],
-        user: str,
-        kind: str,
-        timeout: float | None = None,
-        deadline: float | None = None,
+        self, execute: Callable[[psycopg.Connection[Any]], T], user: str, kind: str,
+        timeout: float | None = None, deadline: float | None = None,
     ) -> tuple[T, bool]:
         """``execute(conn)`` on a connection of this source; return its result and whether it
-        was sent a second time.
+        was sent a second time: a statement whose connection is lost under it (left closed or
+        broken) is sent once more, on a connection checked for life first, so it must be safe
+        to send again. The second failure is raised caused by the first, with a note.
 
-        A statement whose connection is lost under it (the error leaves the connection closed
-        or broken: its backend was terminated, the server restarted, the network dropped) is
-        sent once more, on a connection checked for life first. The caller's statements must
-        be safe to send again (lease statements are idempotent per holder; see the callers).
-        A failure of the second attempt is raised as it comes (a psycopg error, caused by the
-        first one, with a note on Python 3.11+).
-
-        :param user: who sends it, for the log and the error note (``"lease"``,
-            ``"semaphore"``); the warning goes to the ``pglock.<user>`` logger.
+        :param user: ``"lease"``, ``"semaphore"``: the ``pglock.<user>`` logger, the note.
         :param kind: which statement (``"acquire"``, ``"release"``, ...).
         :param timeout: the longest wait for a pool connection (``None``: the pool's own).
-        :param deadline: a ``time.monotonic()`` instant by which the whole call (checkout,
-            statement, second attempt) is over: past it, :class:`NoAnswer` (a
-            ``psycopg.OperationalError``) is raised and the connection it was sent on is
-            closed; the statement may or may not have run. None: no deadline.
+        :param deadline: a ``time.monotonic()`` instant ending the whole call: past it,
+            :class:`NoAnswer` and the connection is closed (the statement may have run).
         """
         what = f"the {user} statement {kind!r}"
         conn, done = self._checkout(_checkout_wait(timeout, deadline), False, deadline)
@@ -149,8 +130,7 @@ class Source:
             ) from first
         logging.getLogger(f"pglock.{user}").warning(
             "%s statement %r: the connection was lost (%s: %s); sending it once more on a "
-            "new connection",
-            user, kind, type(first).__name__, _first_line(first),
+            "new connection", user, kind, type(first).__name__, _first_line(first),
         )
         try:
             conn, done = self._checkout(_checkout_wait(timeout, deadline), True, deadline)
@@ -169,23 +149,15 @@ class Source:
                 raise exc from first
             raise
 
-    def _checkout(
-        self, timeout: float | None, fresh: bool, deadline: float | None
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        """A connection for one statement, and how to give it back (whatever its state).
-
-        :param fresh: after a lost connection: idle connections of the source may be dead
-            too, so hand out one that answered an empty statement (or a new one).
-        :param deadline: give up (:class:`NoAnswer`) when it passes, where the source allows
-            (a pool's checkout, a DSN source's connect, the pings).
-        """
+    def _checkout(self, timeout: float | None, fresh: bool, deadline: float | None) -> Checkout:
+        """A connection for one statement and how to give it back; ``fresh`` (after a lost
+        connection): one that answered an empty statement, or a new one; :class:`NoAnswer`
+        past ``deadline`` where the source allows."""
         raise NotImplementedError
 
-    def open_listener(
-        self, deadline: float | None = None
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        """A new autocommit connection of its own, and how to close it (opened by
-        ``deadline`` where the source allows)."""
+    def open_listener(self, deadline: float | None = None) -> Checkout:
+        """A new autocommit connection of its own, and how to close it (by ``deadline``
+        where the source allows)."""
         raise NotImplementedError
 
 
@@ -223,9 +195,19 @@ def _alive(conn: psycopg.Connection[Any]) -> bool:
     return True
 
 
-def _alive_by(conn: psycopg.Connection[Any], deadline: float | None) -> bool:
-    """:func:`_alive`, cut off at ``deadline`` (then :class:`NoAnswer`)."""
-    return within(conn, deadline, lambda: _alive(conn), "a liveness check")
+def _pick(checkout: Callable[[], Checkout], tries: int, deadline: float | None) -> Checkout:
+    """Check out up to ``tries`` connections: the first that answers (pinged by ``deadline``),
+    else the last one, unpinged."""
+    for _ in range(tries - 1):
+        conn, done = checkout()
+        try:
+            if within(conn, deadline, functools.partial(_alive, conn), "a liveness check"):
+                return conn, done
+        except BaseException:
+            done()
+            raise
+        done()
+    return checkout()
 
 
 def _identity_of(conninfo: object, kwargs: object) -> tuple[Any, ...] | None:
@@ -233,19 +215,14 @@ def _identity_of(conninfo: object, kwargs: object) -> tuple[Any, ...] | None:
     unknown, e.g. a callable conninfo, which is left uncalled)."""
     if not isinstance(conninfo, str):
         return None
+    given = kwargs if isinstance(kwargs, Mapping) else {}
     names = ("host", "hostaddr", "port", "user", "dbname")
-    extra: tuple[tuple[str, str], ...] = ()
-    if isinstance(kwargs, Mapping):
-        extra = tuple(
-            (k, str(kwargs[k])) for k in names if kwargs.get(k) not in (None, "")
-        )
+    extra = tuple((k, str(given[k])) for k in names if given.get(k) not in (None, ""))
     return _identity_cached(conninfo, extra)
 
 
 @functools.lru_cache(maxsize=256)
-def _identity_cached(
-    conninfo: str, extra: tuple[tuple[str, str], ...]
-) -> tuple[Any, ...] | None:
+def _identity_cached(conninfo: str, extra: tuple[tuple[str, str], ...]) -> tuple[Any, ...] | None:
     # Parsing a conninfo costs tens of microseconds; a source is made per lease handle.
     try:
         params: dict[str, Any] = dict(conninfo_to_dict(conninfo))
@@ -262,37 +239,24 @@ class PoolSource(Source):
         super().__init__(("pool", id(pool)))
         self.pool = pool
         # A callable conninfo or kwargs is left uncalled: the identity is the pool itself.
-        identity = _identity_of(pool.conninfo, pool.kwargs)
-        if identity is not None:
-            self.database = identity
+        self.database = _identity_of(pool.conninfo, pool.kwargs) or self.key
 
-    def _checkout(
-        self, timeout: float | None, fresh: bool, deadline: float | None
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+    def _checkout(self, timeout: float | None, fresh: bool, deadline: float | None) -> Checkout:
         pool = self.pool
         if timeout is not None:
-            # A waiter's last look passes the sliver of time it has left; psycopg_pool
-            # refuses a checkout outright once its timeout is spent, even with a connection
-            # idle (PoolTimeout instead of an answer).
+            # psycopg_pool refuses a checkout once its timeout is spent, even with a connection
+            # idle (PoolTimeout): a waiter's last look may pass the sliver of time it has left.
             timeout = max(timeout, _MIN_CHECKOUT)
+
+        def checkout() -> Checkout:
+            conn: psycopg.Connection[Any] = pool.getconn(timeout=timeout)
+            return conn, lambda: pool.putconn(conn)
+
         # The pool discards a connection given back closed or broken, and opens another.
         tries = min(_MAX_PINGS, int(getattr(pool, "max_size", 1) or 1) + 1) if fresh else 1
-        for attempt in range(tries):
-            conn: psycopg.Connection[Any] = pool.getconn(timeout=timeout)
-            if attempt == tries - 1:
-                break
-            try:
-                if _alive_by(conn, deadline):
-                    break
-            except BaseException:
-                pool.putconn(conn)
-                raise
-            pool.putconn(conn)
-        return conn, lambda: pool.putconn(conn)
+        return _pick(checkout, tries, deadline)
 
-    def open_listener(
-        self, deadline: float | None = None
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+    def open_listener(self, deadline: float | None = None) -> Checkout:
         pool = self.pool
         conninfo = pool.conninfo() if callable(pool.conninfo) else pool.conninfo
         kwargs = dict((pool.kwargs() if callable(pool.kwargs) else pool.kwargs) or {})
@@ -317,37 +281,22 @@ class EngineSource(Source):
         if isinstance(params, Mapping):
             self.database = database_identity(params)
 
-    def _checkout(
-        self, timeout: float | None, fresh: bool, deadline: float | None
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-        # The engine's pool has its own checkout timeout and connect arguments: pglock cannot
-        # shorten them per call (the statements themselves keep their deadline).
-        tries = 1
-        if fresh:
-            # Idle connections that may be dead, plus a new one.
-            checkedin = getattr(self.engine.pool, "checkedin", None)
-            idle = checkedin() if callable(checkedin) else 0
-            tries = min(_MAX_PINGS, int(idle) + 1)
-        for attempt in range(tries):
+    def _checkout(self, timeout: float | None, fresh: bool, deadline: float | None) -> Checkout:
+        # The engine's pool has its own checkout timeout: pglock cannot shorten it per call.
+        def checkout() -> Checkout:
             raw = self.engine.raw_connection()
             conn: psycopg.Connection[Any] = raw.driver_connection
-            if attempt == tries - 1:
-                break
-            try:
-                if _alive_by(conn, deadline):
-                    break
-            except BaseException:
-                _engine_checkin(raw, conn)
-                raise
-            _engine_checkin(raw, conn)
-        return conn, lambda: _engine_checkin(raw, conn)
+            return conn, lambda: _engine_checkin(raw, conn)
 
-    def open_listener(
-        self, deadline: float | None = None
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+        tries = 1
+        if fresh:  # idle connections that may be dead, plus a new one
+            checkedin = getattr(self.engine.pool, "checkedin", None)
+            tries = min(_MAX_PINGS, int(checkedin() if callable(checkedin) else 0) + 1)
+        return _pick(checkout, tries, deadline)
+
+    def open_listener(self, deadline: float | None = None) -> Checkout:
         raw = self.engine.raw_connection()
-        # Read it before detach(): a detached fairy no longer exposes its driver connection
-        # (SQLAlchemy 2.1 gives None).
+        # Read before detach(): a detached fairy gives None (SQLAlchemy 2.1).
         conn: psycopg.Connection[Any] = raw.driver_connection
         raw.detach()  # ours from now on: the pool forgets it and opens another when needed
         try:
@@ -368,33 +317,25 @@ def _engine_checkin(raw: Any, conn: psycopg.Connection[Any]) -> None:
 
 
 class DsnSource(Source):
-    """A few autocommit connections pglock opens for a DSN string, reused, closed at exit.
-
-    They get :data:`CONNECT_DEFAULTS` (connect timeout, TCP keepalives, ``tcp_user_timeout``)
-    where the DSN does not set them."""
+    """A few autocommit connections pglock opens for a DSN string (with the
+    :data:`CONNECT_DEFAULTS` it does not set), reused, closed at exit."""
 
     kind = "dsn"
 
     def __init__(self, dsn: str) -> None:
         super().__init__(("dsn", dsn))
-        self.dsn = dsn
         extra = connect_extra(dsn)
         self.conninfo = make_conninfo(dsn, **extra) if extra else dsn
-        identity = _identity_of(dsn, None)
-        if identity is not None:
-            self.database = identity
+        self.database = _identity_of(dsn, None) or self.key
         self._idle: list[psycopg.Connection[Any]] = []
         self._lock = threading.Lock()
 
     def _connect(self) -> psycopg.Connection[Any]:
         return psycopg.connect(self.conninfo, autocommit=True)
 
-    def _get(
-        self, *, fresh: bool = False, deadline: float | None = None
-    ) -> psycopg.Connection[Any]:
+    def _get(self, *, fresh: bool, deadline: float | None) -> psycopg.Connection[Any]:
         if fresh:
-            # A connection was lost: the idle ones went the same way if the server restarted
-            # or the network dropped. Close them all (cheap) and open a new one.
+            # The idle ones likely died too (server restart, network drop): close them (cheap).
             self.close()
         with self._lock:
             while self._idle:
@@ -405,25 +346,18 @@ class DsnSource(Source):
         return connect_within(self._connect, deadline, self._put)
 
     def _put(self, conn: psycopg.Connection[Any]) -> None:
-        healthy = not (conn.closed or conn.broken) and (
-            conn.info.transaction_status == TransactionStatus.IDLE
-        )
-        if healthy:
+        if not (conn.closed or conn.broken) and conn.info.transaction_status == _conn.IDLE:
             with self._lock:
                 if len(self._idle) < _DSN_MAX_IDLE:
                     self._idle.append(conn)
                     return
         conn.close()
 
-    def _checkout(
-        self, timeout: float | None, fresh: bool, deadline: float | None
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+    def _checkout(self, timeout: float | None, fresh: bool, deadline: float | None) -> Checkout:
         conn = self._get(fresh=fresh, deadline=deadline)
         return conn, lambda: self._put(conn)
 
-    def open_listener(
-        self, deadline: float | None = None
-    ) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
+    def open_listener(self, deadline: float | None = None) -> Checkout:
         conn = connect_within(self._connect, deadline, close_quietly)
         return conn, conn.close
 
@@ -468,12 +402,9 @@ if hasattr(os, "register_at_fork"):
 
 
 def make_source(source: object, user: str) -> Source:
-    """Resolve where a ``user`` (``"lease"``, ``"semaphore"``: named in the errors) runs its
-    statements, without sending any SQL.
+    """Resolve where a ``user`` (``"lease"``, ``"semaphore"``) runs its statements, without I/O.
 
-    :raises TypeError: not a pool, an Engine on the psycopg driver or a DSN string.
-    :raises ValueError: an empty or unparsable DSN string.
-    """
+    :raises TypeError, ValueError: not a pool, an Engine on psycopg or a DSN; a bad DSN."""
     own = (
         f"a {user} runs its statements on connections of its own, never in the caller's "
         "transaction: pass the pool or Engine they come from, or a DSN"
@@ -498,14 +429,9 @@ def make_source(source: object, user: str) -> Source:
         return found
 
 
-def open_listening(
-    source: Source, channel: str, deadline: float | None = None
-) -> tuple[psycopg.Connection[Any], Callable[[], None]]:
-    """A new connection of ``source``'s own that LISTENs on ``channel``, and how to close it.
-
-    :param deadline: a ``time.monotonic()`` instant by which the connection listens, or
-        :class:`NoAnswer` (the connect and the ``LISTEN`` are cut off then).
-    """
+def open_listening(source: Source, channel: str, deadline: float | None = None) -> Checkout:
+    """A new connection of ``source``'s own that LISTENs on ``channel``, and how to close it;
+    :class:`NoAnswer` if it does not listen by ``deadline`` (a ``time.monotonic()`` instant)."""
     conn, close = source.open_listener(deadline)
     try:
         within(conn, deadline, lambda: _conn.fetch(conn, _sql.listen(channel)), "LISTEN")

@@ -1,10 +1,6 @@
-"""The ``pglock`` command (also ``python -m pglock``): ``install``, ``status``, ``demo``,
-``--version``. docs/reference/cli.md describes each and the exit codes (:data:`EXIT_CODES_HELP`).
-
-Each subcommand is a ``register_<name>(subparsers)`` function that adds its parser and sets
-``func`` (taking the parsed arguments, returning the exit code); :data:`COMMANDS` lists them.
-Errors are printed as one line on stderr, ``pglock: error: ...``, never as a traceback.
-"""
+"""The ``pglock`` command (also ``python -m pglock``; docs/reference/cli.md). Each subcommand is
+a ``register_<name>(subparsers)`` in :data:`COMMANDS` that sets ``func`` (arguments -> exit
+code). Errors are one line on stderr, ``pglock: error: ...``."""
 
 from __future__ import annotations
 
@@ -12,14 +8,21 @@ import argparse
 import dataclasses
 import json
 import os
+import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import Any, NoReturn
 
+import psycopg
+from psycopg.conninfo import make_conninfo
 from psycopg.errors import InsufficientPrivilege
 
+from . import __version__, _conn, _inspect, _lease, _schema, _sql
+from ._contract import DEFAULT_SCHEMA, validate_schema
+from ._deadline import connect_extra
+from ._keys import normalize_names
 from .errors import SchemaNotInstalled
 
 EXIT_OK = 0
@@ -51,48 +54,45 @@ class _Parser(argparse.ArgumentParser):
 
 def one_line(exc: BaseException) -> str:
     """An exception as one readable line."""
-    text = " ".join(str(exc).split())
-    return text or type(exc).__name__
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
-# --- install -----------------------------------------------------------------------------------
+def _database_args(p: argparse.ArgumentParser, schema_help: str) -> None:
+    p.add_argument(
+        "--dsn", default=None, help="libpq connection string or URL (default: $PGLOCK_DSN)"
+    )
+    p.add_argument("--schema", default=DEFAULT_SCHEMA, help=schema_help)
+
+
+def _schema_arg(args: argparse.Namespace) -> str:
+    try:
+        return validate_schema(args.schema)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _dsn(args: argparse.Namespace) -> str:
+    dsn: str | None = args.dsn or os.environ.get("PGLOCK_DSN")
+    if not dsn:
+        raise UsageError("no database given: pass --dsn DSN or set PGLOCK_DSN")
+    return dsn
 
 
 def register_install(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     p = subparsers.add_parser(
-        "install",
-        help="install or upgrade the pglock schema in a database",
+        "install", help="install or upgrade the pglock schema in a database",
         description=(
             "Install or upgrade the pglock schema (lease table, fencing-token sequence and "
             "functions). Idempotent; concurrent runs are safe."
         ),
     )
-    p.add_argument(
-        "--dsn",
-        default=None,
-        help="libpq connection string or URL (default: $PGLOCK_DSN)",
-    )
-    p.add_argument(
-        "--schema",
-        default=None,
-        help="schema to install into (default: pglock)",
-    )
+    _database_args(p, "schema to install into (default: pglock)")
     p.set_defaults(func=cmd_install)
 
 
 def cmd_install(args: argparse.Namespace) -> int:
-    from . import _schema
-    from ._contract import DEFAULT_SCHEMA, validate_schema
-
-    schema = DEFAULT_SCHEMA if args.schema is None else args.schema
-    try:
-        validate_schema(schema)
-    except (TypeError, ValueError) as exc:
-        raise UsageError(str(exc)) from None
-    dsn = args.dsn or os.environ.get("PGLOCK_DSN")
-    if not dsn:
-        raise UsageError("no database given: pass --dsn DSN or set PGLOCK_DSN")
-    applied = _schema.install(dsn, schema=schema)
+    schema = _schema_arg(args)
+    applied = _schema.install(_dsn(args), schema=schema)
     if applied:
         print(f"{PROG}: installed schema {schema!r}: revision(s) {', '.join(applied)}")
     else:
@@ -100,38 +100,21 @@ def cmd_install(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# --- status ------------------------------------------------------------------------------------
-
-
 def register_status(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     p = subparsers.add_parser(
-        "status",
-        help="show who holds and who waits for locks, leases and semaphores",
+        "status", help="show who holds and who waits for locks, leases and semaphores",
         description=(
             "Show the advisory locks of a database (holders and waiters, by name where pglock "
             "took them, with pid, application, client and how long), and the live leases and "
             "semaphores of the pglock schema."
         ),
-        epilog=EXIT_CODES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("names", nargs="*", metavar="NAME", help="only these lock names")
-    p.add_argument(
-        "--dsn", default=None, help="libpq connection string or URL (default: $PGLOCK_DSN)"
-    )
-    p.add_argument(
-        "--schema",
-        default=None,
-        help="schema of the name registry, leases and semaphores (default: pglock)",
-    )
+    _database_args(p, "schema of the name registry, leases and semaphores (default: pglock)")
     p.add_argument("--json", action="store_true", help="print JSON (one object per refresh)")
     p.add_argument(
-        "--watch",
-        nargs="?",
-        type=_seconds_arg,
-        const=2.0,
-        default=None,
-        metavar="SECONDS",
+        "--watch", nargs="?", type=_seconds_arg, const=2.0, default=None, metavar="SECONDS",
         help="refresh every SECONDS (default 2) until Ctrl-C",
     )
     p.add_argument(
@@ -150,35 +133,15 @@ def _seconds_arg(text: str) -> float:
     return value
 
 
-def _dsn(args: argparse.Namespace) -> str:
-    dsn: str | None = args.dsn or os.environ.get("PGLOCK_DSN")
-    if not dsn:
-        raise UsageError("no database given: pass --dsn DSN or set PGLOCK_DSN")
-    return dsn
-
-
 def cmd_status(args: argparse.Namespace) -> int:
-    import psycopg
-
-    from ._contract import DEFAULT_SCHEMA, validate_schema
-    from ._keys import normalize_names
-
-    schema = DEFAULT_SCHEMA if args.schema is None else args.schema
+    schema = _schema_arg(args)
     try:
-        validate_schema(schema)
         names = [n for _, n in normalize_names(args.names)] if args.names else None
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
     dsn = _dsn(args)
-    from psycopg.conninfo import make_conninfo
-
-    from ._deadline import connect_extra
-
-    conn = psycopg.connect(
-        make_conninfo(dsn, **connect_extra(dsn)), autocommit=True,
-        application_name="pglock status",
-    )
-    with conn:
+    conninfo = make_conninfo(dsn, **connect_extra(dsn))
+    with psycopg.connect(conninfo, autocommit=True, application_name="pglock status") as conn:
         if args.watch is None:
             _print_status(args, status_snapshot(conn, names, schema))
             return EXIT_OK
@@ -213,11 +176,8 @@ _SECTIONS = {
     "names": ("Lock names", "read the name registry {s}.lock_names", "SELECT ON {s}.lock_names"),
     "sessions": ("Sessions of other roles", "see their start, client, query", "pg_read_all_stats"),
     "leases": ("Leases", "call {s}.leases()", "EXECUTE ON FUNCTION {s}.leases(text)"),
-    "semaphores": (
-        "Semaphores",
-        "read {s}.semaphore and {s}.semaphore_permit",
-        "SELECT ON {s}.semaphore, {s}.semaphore_permit",
-    ),
+    "semaphores": ("Semaphores", "read {s}.semaphore and {s}.semaphore_permit",
+                   "SELECT ON {s}.semaphore, {s}.semaphore_permit"),
 }
 
 
@@ -237,25 +197,16 @@ def _error(section: str, schema: str, role: str | None, usage: bool | None) -> d
 
 
 def status_snapshot(conn: Any, names: list[str] | None, schema: str) -> dict[str, Any]:
-    """What ``pglock status`` shows, as plain data (the ``--json`` document).
-
-    A section the role may not read (SQLSTATE 42501) or that is not installed is None, with an
-    entry in ``errors``; the advisory locks need no grant, so their errors propagate."""
-    from . import _conn, _inspect, _lease, _sql
-
+    """What ``pglock status`` shows, as plain data (the ``--json`` document). A section not
+    installed or not readable (42501) is None with an entry in ``errors``; the advisory locks
+    need no grant, so their errors propagate."""
     c = _conn.resolve(conn, "pglock status").conn
     db, now, version, role, usage, registry = _conn.fetch(c, _sql.status_header(schema))[0][0]
     locks = _inspect.advisory_locks(conn, names, schema=schema)
     doc: dict[str, Any] = {
-        "database": db,
-        "server_time": now,
-        "server_version": version,
-        "schema": schema,
-        "schema_installed": usage is not None,
-        "advisory_locks": [_lock_doc(lk) for lk in locks],
-        "leases": None,
-        "semaphores": None,
-        "errors": {},
+        "database": db, "server_time": now, "server_version": version, "schema": schema,
+        "schema_installed": usage is not None, "advisory_locks": [_lock_doc(lk) for lk in locks],
+        "leases": None, "semaphores": None, "errors": {},
     }
     if registry is False or (registry and usage is False):
         doc["errors"]["names"] = _error("names", schema, role, usage)
@@ -334,10 +285,8 @@ def render_status(snap: dict[str, Any], *, verbose: bool = False) -> str:
 
 
 def _error_lines(section: str, error: dict[str, Any]) -> list[str]:
-    title = _SECTIONS[section][0]
-    return [f"{title}: not shown: {error['message']}; to show them, run:"] + [
-        "    " + fix for fix in error["fix"]
-    ]
+    head = f"{_SECTIONS[section][0]}: not shown: {error['message']}; to show them, run:"
+    return [head] + ["    " + fix for fix in error["fix"]]
 
 
 def _advisory_row(lk: dict[str, Any], same: bool) -> tuple[list[str], bool]:
@@ -356,16 +305,9 @@ def _advisory_row(lk: dict[str, Any], same: bool) -> tuple[list[str], bool]:
         state = "waiting"
         if lk["blocked_by"]:
             state += " for " + ",".join(str(p) for p in lk["blocked_by"])
-    row = [
-        "" if same else _cut(lk["label"], 48),
-        lk["mode"],
-        state,
-        str(lk["pid"] or "-"),
-        _cut(lk["application_name"] or "", 28),
-        client,
-        since,
-    ]
-    return row, bounded
+    label = "" if same else _cut(lk["label"], 48)
+    app = _cut(lk["application_name"] or "", 28)
+    return [label, lk["mode"], state, str(lk["pid"] or "-"), app, client, since], bounded
 
 
 def _advisory_section(locks: list[dict[str, Any]], verbose: bool) -> list[str]:
@@ -373,21 +315,18 @@ def _advisory_section(locks: list[dict[str, Any]], verbose: bool) -> list[str]:
     lines = [f"Advisory locks: {held} held, {len(locks) - held} waiting"]
     if not locks:
         return lines
-    rows: list[list[str]] = []
-    bounded = False
-    previous = None
-    for lk in locks:
-        row, bound = _advisory_row(lk, lk["label"] == previous)
-        previous = lk["label"]
-        rows.append(row)
-        bounded = bounded or bound
-    table = _table(["LOCK", "MODE", "STATE", "PID", "APPLICATION", "CLIENT", "FOR"], rows)
+    rows = [  # a lock's second and later sessions leave the LOCK column empty
+        _advisory_row(lk, i > 0 and lk["label"] == locks[i - 1]["label"])
+        for i, lk in enumerate(locks)
+    ]
+    header = ["LOCK", "MODE", "STATE", "PID", "APPLICATION", "CLIENT", "FOR"]
+    table = _table(header, [row for row, _ in rows])
     lines.append(table[0])
     for line, lk in zip(table[1:], locks, strict=True):
         lines.append(line)
         if verbose and lk["query"]:
             lines.append("      query: " + _cut(" ".join(lk["query"].split()), 100))
-    if bounded:
+    if any(bounded for _, bounded in rows):
         lines.append(
             "  <= : at most this long (the session ran other statements since it took the "
             "lock; this is the session's age)"
@@ -406,20 +345,13 @@ def _metadata_cell(metadata: Any) -> str:
 
 def _lease_section(leases: list[dict[str, Any]]) -> list[str]:
     lines = [f"Leases: {len(leases)} live"]
-    if leases:
-        lines += _table(
-            ["NAME", "HOLDER", "TOKEN", "EXPIRES IN", "METADATA"],
-            [
-                [
-                    _cut(le["name"], 48),
-                    _cut(le["holder"], 32),
-                    str(le["token"]),
-                    _duration(le["expires_in"]),
-                    _metadata_cell(le["metadata"]),
-                ]
-                for le in leases
-            ],
-        )
+    rows = [
+        [_cut(le["name"], 48), _cut(le["holder"], 32), str(le["token"]),
+         _duration(le["expires_in"]), _metadata_cell(le["metadata"])]
+        for le in leases
+    ]
+    if rows:
+        lines += _table(["NAME", "HOLDER", "TOKEN", "EXPIRES IN", "METADATA"], rows)
     return lines
 
 
@@ -434,24 +366,16 @@ def _semaphore_section(sems: list[dict[str, Any]]) -> list[str]:
             rows.append([_cut(s["name"], 48), label, "", "", "", ""])
         for i, h in enumerate(s["holders"]):
             rows.append([
-                "" if i else _cut(s["name"], 48),
-                "" if i else label,
-                _cut(h["holder"], 32),
-                str(h["permits"]),
-                _duration(h["expires_in"]),
-                _metadata_cell(h["metadata"]),
+                "" if i else _cut(s["name"], 48), "" if i else label, _cut(h["holder"], 32),
+                str(h["permits"]), _duration(h["expires_in"]), _metadata_cell(h["metadata"]),
             ])
     lines += _table(["NAME", "PERMITS", "HOLDER", "HOLDS", "EXPIRES IN", "METADATA"], rows)
     return lines
 
 
-# --- demo --------------------------------------------------------------------------------------
-
-
 def register_demo(subparsers: argparse._SubParsersAction[_Parser]) -> None:
     p = subparsers.add_parser(
-        "demo",
-        help="watch worker processes race for jobs with pglock and without",
+        "demo", help="watch worker processes race for jobs with pglock and without",
         description=(
             "Worker processes race for a batch of jobs, first guarded by pglock, then "
             "unguarded, and the summary counts the jobs that ran twice. Without --dsn an "
@@ -459,12 +383,10 @@ def register_demo(subparsers: argparse._SubParsersAction[_Parser]) -> None:
             "directory and removed afterwards; with --dsn the demo works in a throwaway schema "
             "pglock_demo that it drops at the end."
         ),
-        epilog=EXIT_CODES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--dsn",
-        default=None,
+        "--dsn", default=None,
         help="use this server instead of an embedded one (PGLOCK_DSN is not read here)",
     )
     p.add_argument(
@@ -501,31 +423,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 #: The subcommands, in the order ``--help`` lists them.
 COMMANDS: list[Callable[[argparse._SubParsersAction[_Parser]], None]] = [
-    register_install,
-    register_status,
-    register_demo,
+    register_install, register_status, register_demo,
 ]
 
 
 def build_parser() -> _Parser:
-    import platform
-
-    import psycopg
-
-    from . import __version__
-
     parser = _Parser(
-        prog=PROG,
-        description="pglock: distributed locks on Postgres alone.",
-        epilog=EXIT_CODES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=PROG, description="pglock: distributed locks on Postgres alone.",
+        epilog=EXIT_CODES_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--version",
-        action="version",
-        version=f"{PROG} {__version__} (Python {platform.python_version()}, "
-        f"psycopg {psycopg.__version__})",
-    )
+    version = f"Python {platform.python_version()}, psycopg {psycopg.__version__}"
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__} ({version})")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for register in COMMANDS:
         register(subparsers)
