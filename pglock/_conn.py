@@ -145,12 +145,9 @@ class Context:
     names: Sequence[str] = ()
     keys: Sequence[int] = ()
     timeout: float | None = None
-    #: A monotonic instant: a statement not answered by then is cut off (None: never).
-    deadline: float | None = None
-    #: The pglock schema of a lease/semaphore statement: its absence is SchemaNotInstalled.
-    schema: str | None = None
-    #: Lock timeouts, cancels, deadlocks and a full lock table read as lock errors (else pass).
-    waits: bool = True
+    deadline: float | None = None  # monotonic: a statement unanswered by then is cut off
+    schema: str | None = None  # of a lease/semaphore statement: its absence is SchemaNotInstalled
+    waits: bool = True  # lock timeouts, cancels, deadlocks, full lock table: lock errors
     flight: Flight | None = None  # the wait close() cancels
 
 
@@ -180,10 +177,8 @@ _ADAPTERS = AdaptersMap(psycopg.adapters)
 
 
 def cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[tuple[Any, ...]]:
-    """A new cursor of pglock's own on ``conn``: the one way pglock executes SQL.
-
-    A ``ClientCursor`` factory keeps client-side binding; any other gets server-side binding.
-    """
+    """A new cursor of pglock's own on ``conn``, the one way pglock executes SQL: client-side
+    binding for a ``ClientCursor`` factory, server-side binding for any other."""
     factory = conn.cursor_factory
     if isinstance(factory, type) and issubclass(factory, psycopg.ClientCursor):
         return _ClientCursor(conn, row_factory=tuple_row)
@@ -195,11 +190,9 @@ def fetch(
     binary: bool = False, flight: Flight | None = None,
 ) -> list[list[tuple[Any, ...]]]:
     """Execute ``query`` on pglock's own cursor (cancellable by ``flight``); the rows of every
-    statement that returns rows, in order. Errors pass unchanged (see :func:`translate`).
-
-    Without ``params`` a query may hold several ``;``-joined statements (never prepared).
-    ``binary`` asks for binary results, except with client-side binding (``%b`` becomes ``%s``).
-    """
+    statement that returns rows, in order. Errors pass unchanged (see :func:`translate`). Without
+    ``params`` a query may hold several ``;``-joined statements (never prepared). ``binary`` asks
+    for binary results, except with client-side binding (``%b`` becomes ``%s``)."""
     cur = cursor(conn)
     kwargs: dict[str, bool] = {}
     if params is None:
@@ -414,13 +407,10 @@ class ConnState:
         self.probed = False
         self.registry: str | None = None  # the name registry's schema, if installed and writable
         self.backend_pid: int | None = None
-        #: Session locks whose release could not be sent (failed transaction at exit).
-        self.deferred: list[tuple[int, bool]] = []
-        #: Transaction locks by key; a record may outlive its lock (pg_locks decides).
-        self.xact: dict[int, XactHold] = {}
+        self.deferred: list[tuple[int, bool]] = []  # unlocks not sent (failed transaction at exit)
+        self.xact: dict[int, XactHold] = {}  # a record may outlive its lock (pg_locks decides)
         self.pooler = False  # a pooler (PgBouncer) sits between: see probe()
-        #: The session has a statement_timeout or lock_timeout of its own: waits override them.
-        self.session_timeouts = False
+        self.session_timeouts = False  # a statement/lock_timeout of its own: waits override them
         #: Why handles that still believe they hold a lock on the connection raise LockLost
         #: (set when the bookkeeping was dropped, for example by the pool reset).
         self.lost: str | None = None

@@ -8,6 +8,7 @@ travel as one simple query with their values as literals. The PL/pgSQL is in ``p
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 from psycopg import sql
 
@@ -27,11 +28,9 @@ _LOCK_FUNCS = {
     (True, True, True): "pg_try_advisory_xact_lock_shared",
 }
 
-# shared -> Postgres function
 _UNLOCK_FUNCS = {False: "pg_advisory_unlock", True: "pg_advisory_unlock_shared"}
 
 # Fixed text, so that psycopg prepares it: the uncontended cycle costs what raw SQL costs.
-# (transaction-level, shared, try) -> query
 LOCK_ONE = {flags: f"SELECT pg_catalog.{func}(%s)" for flags, func in _LOCK_FUNCS.items()}
 UNLOCK_ONE = {shared: f"SELECT pg_catalog.{func}(%s)" for shared, func in _UNLOCK_FUNCS.items()}
 # The same for several keys (sorted by the caller), as one array parameter: unnest() yields them
@@ -54,11 +53,9 @@ UNLOCK_MANY = {
 
 
 def _names_schema(schema: str, privilege: str) -> sql.Composed:
-    """``schema`` when its name registry may be used this way by the current role, else NULL.
-
-    Only a table pglock can trust (docs/guarantees.md, "The name registry is pglock's own").
-    One catalog lookup: ``to_regclass`` would raise without USAGE on the schema, and
-    ``obj_description()`` costs four times this subquery."""
+    """``schema`` when the current role may use its name registry this way, else NULL: only a table
+    pglock can trust (docs/guarantees.md, "The name registry is pglock's own"). One catalog lookup:
+    ``to_regclass`` would raise without USAGE, ``obj_description()`` costs four times as much."""
     return sql.SQL(
         "(SELECT n.nspname::text FROM pg_catalog.pg_namespace n"
         " JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid"
@@ -111,8 +108,7 @@ SESSION_TIMEOUTS = (
     " OR pg_catalog.current_setting('statement_timeout') <> '0'"
 )
 
-# The probe, once per connection. The lock APIs take no schema: they register names in the
-# default schema's registry only.
+# Once per connection. The lock APIs take no schema: they register names in the default schema's.
 PROBE = sql.SQL(
     "SELECT pg_catalog.pg_is_in_recovery(), pg_catalog.pg_backend_pid(), {}, ({})"
 ).format(_names_schema(DEFAULT_SCHEMA, "INSERT"), sql.SQL(SESSION_TIMEOUTS[len("SELECT ") :]))
@@ -166,10 +162,9 @@ TRANSACTION_START = sql.SQL("SELECT pg_catalog.transaction_timestamp()")
 
 
 def held_in_transaction(keys: Sequence[int]) -> sql.Composed:
-    """The current transaction's start, and which of ``keys`` this session holds (any mode).
-
-    Checks whether another thread's record of a transaction lock outlived it (a rolled-back
-    savepoint releases the locks taken inside), in a savepoint of pglock's own."""
+    """The current transaction's start, and which of ``keys`` this session holds (any mode), in a
+    savepoint of pglock's own: did another thread's record of a transaction lock outlive it (a
+    rolled-back savepoint releases the locks taken inside)?"""
     return sql.SQL(
         "SAVEPOINT {sp}; SELECT pg_catalog.transaction_timestamp(), ARRAY({held}); "
         "RELEASE SAVEPOINT {sp}"
@@ -236,6 +231,7 @@ def advisory_locks(
         name = sql.SQL("(SELECT r.name FROM {} r WHERE l.objsubid = 1 AND r.key = {})").format(
             sql.Identifier(names_schema, NAMES_TABLE), _ADVISORY_KEY
         )
+    since = sql.SQL("l.waitstart" if waitstart else "NULL::timestamptz")
     return sql.SQL(
         "SELECT l.objsubid, l.classid::bigint, l.objid::bigint, {name} AS name,"
         " l.mode, l.granted, l.pid,"
@@ -252,11 +248,7 @@ def advisory_locks(
         " WHERE l.database = (SELECT d.oid FROM pg_catalog.pg_database d"
         "                   WHERE d.datname = pg_catalog.current_database()){key_filter}"
         " ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.pid"
-    ).format(
-        name=name,
-        waitstart=sql.SQL("l.waitstart" if waitstart else "NULL::timestamptz"),
-        key_filter=key_filter,
-    )
+    ).format(name=name, waitstart=since, key_filter=key_filter)
 
 
 def _keys_array(keys: Sequence[int]) -> sql.Composable:
@@ -285,9 +277,8 @@ def unlock(keys: Sequence[int], *, shared: bool) -> sql.Composed:
 
 
 def set_local_timeouts(timeout_ms: int, *, several: bool) -> sql.Composed:
-    """Bound the next statement's lock waits, and for ``several`` keys the statement itself.
-
-    The caller's ``statement_timeout`` is always replaced: for one key by 0, since until pglock
+    """Bound the next statement's lock waits, and for ``several`` keys the statement itself. The
+    caller's ``statement_timeout`` is always replaced: for one key by 0, since until pglock
     restores it, it would also bound pglock's own statements after the grant."""
     value = sql.Literal(f"{timeout_ms}ms")
     return sql.SQL("SET LOCAL lock_timeout = {}; SET LOCAL statement_timeout = {}").format(
@@ -295,16 +286,13 @@ def set_local_timeouts(timeout_ms: int, *, several: bool) -> sql.Composed:
     )
 
 
-def savepoint() -> sql.Composed:
-    return sql.SQL("SAVEPOINT {}").format(SAVEPOINT_NAME)
+def _savepoint(query: str) -> sql.Composed:
+    return sql.SQL(query).format(SAVEPOINT_NAME)
 
 
-def rollback_to_savepoint() -> sql.Composed:
-    return sql.SQL("ROLLBACK TO SAVEPOINT {0}; RELEASE SAVEPOINT {0}").format(SAVEPOINT_NAME)
-
-
-def release_savepoint() -> sql.Composed:
-    return sql.SQL("RELEASE SAVEPOINT {}").format(SAVEPOINT_NAME)
+savepoint = partial(_savepoint, "SAVEPOINT {}")
+rollback_to_savepoint = partial(_savepoint, "ROLLBACK TO SAVEPOINT {0}; RELEASE SAVEPOINT {0}")
+release_savepoint = partial(_savepoint, "RELEASE SAVEPOINT {}")
 
 
 def current_timeouts() -> sql.Composed:
@@ -389,12 +377,10 @@ LEADER_SESSION = (
 def new_term(server_version: int) -> sql.Composed:
     """A number larger than every term handed out before: the 64-bit id (increasing, never
     wrapping) of a transaction begun after the lock was won, committed durably."""
-    xid = (
-        sql.SQL("pg_catalog.pg_current_xact_id()::text::bigint")
-        if server_version >= 130000
-        else sql.SQL("pg_catalog.txid_current()")
+    xid = "pg_current_xact_id()::text::bigint" if server_version >= 130000 else "txid_current()"
+    return sql.SQL("BEGIN; SET LOCAL synchronous_commit = on; SELECT pg_catalog.{}; COMMIT").format(
+        sql.SQL(xid)
     )
-    return sql.SQL("BEGIN; SET LOCAL synchronous_commit = on; SELECT {}; COMMIT").format(xid)
 
 
 def fence_wait(fence_key: int) -> sql.Composed:
@@ -427,14 +413,8 @@ def leader_holds(key: int, pid: int, backend_start: object) -> sql.Composed:
 
 
 def semaphore_acquire(
-    schema: str,
-    name: str,
-    limit: int,
-    holder: str,
-    permits: int,
-    ttl: float,
-    metadata_json: str | None,
-    wait: bool,
+    schema: str, name: str, limit: int, holder: str, permits: int, ttl: float,
+    metadata_json: str | None, wait: bool,
 ) -> sql.Composed:
     """One row: granted, held (live permits after the call), retry_in (seconds until the
     earliest live permit expires, when refused). A grant is committed durably even where
