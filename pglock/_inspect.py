@@ -133,17 +133,13 @@ def advisory_locks(
     waitstart = c.info.server_version >= 140000
 
     def query() -> list[tuple[Any, ...]]:
-        names_schema = _conn.run(c, _sql.names_readable(schema))[0][0]
-        return _conn.run(
-            c, _sql.advisory_locks(keys, names_schema=names_schema, waitstart=waitstart)
-        )
+        registry = _conn.run(c, _sql.names_readable(schema))[0][0]
+        return _conn.run(c, _sql.advisory_locks(keys, names_schema=registry, waitstart=waitstart))
 
-    locks = [_advisory_lock(row) for row in _read(c, query)]
-    locks.sort(key=lambda lk: (
+    return sorted(map(_advisory_lock, _read(c, query)), key=lambda lk: (
         lk.name is None, lk.name or "", lk.key or 0, lk.key_pair or (0, 0), not lk.granted,
         lk.waiting_since or lk.observed_at, lk.pid or 0,
     ))
-    return locks
 
 
 def _read(conn: psycopg.Connection[Any], fn: Any) -> Any:
@@ -267,8 +263,7 @@ def semaphores(
     c = _conn.resolve(conn, "semaphores").conn
 
     def query() -> list[tuple[Any, ...]] | None:
-        present = _conn.run(c, _sql.relations_exist(schema, ["semaphore", "semaphore_permit"]))
-        if not present[0][0]:
+        if not _conn.run(c, _sql.relations_exist(schema, ["semaphore", "semaphore_permit"]))[0][0]:
             return None
         return _conn.run(c, _sql.semaphores(schema, name))
 

@@ -114,8 +114,6 @@ def _callback(value: object, what: str) -> Callable[[], object] | None:
 
 
 def validity_window(check_interval: float) -> float:
-    """How long one successful check keeps ``is_leader`` true: the interval plus a margin of
-    half of it, at least 0.25 s and at most 1 s."""
     return check_interval + min(1.0, max(0.25, check_interval / 2))
 
 
@@ -292,8 +290,7 @@ class LeaderElection:
             api="LeaderElection.guard",
         ):  # pragma: no cover - timeout=None waits
             raise LockNotAcquired(label)
-        rows = _conn.run(target.conn, _sql.leader_holds(self._key, *session))
-        if not rows[0][0]:
+        if not _conn.run(target.conn, _sql.leader_holds(self._key, *session))[0][0]:
             raise LockLost(
                 self._name, reason=f"the leader's session no longer holds the lock (term {term})"
             )
@@ -329,19 +326,16 @@ class LeaderElection:
             raise
         finally:
             self._lose("resigned" if self._stop.is_set() else "the campaign stopped")
-            self._await_callbacks()
+            # On resign, let on_lost finish before the lock goes to the next leader.
+            with self._cond:
+                self._cond.wait_for(
+                    lambda: not self._events and not self._in_callback,
+                    self._network_timeout + self._interval + 5.0,
+                )
             self._close()
             with self._cond:
                 self._running = False
                 self._cond.notify_all()
-
-    def _await_callbacks(self) -> None:
-        # On resign, let on_lost finish before the lock goes to the next leader.
-        with self._cond:
-            self._cond.wait_for(
-                lambda: not self._events and not self._in_callback,
-                self._network_timeout + self._interval + 5.0,
-            )
 
     def _open(self) -> None:
         idle = max(1, round(self._network_timeout / 2))
@@ -351,13 +345,10 @@ class LeaderElection:
             self._source, keepalives=1, keepalives_idle=idle, keepalives_interval=1,
             keepalives_count=count, tcp_user_timeout=user_timeout,
         )
-        given = pg_conninfo.conninfo_to_dict(info)
-        if "connect_timeout" not in given:
-            connect_timeout = max(2, math.ceil(self._network_timeout))
-            info = pg_conninfo.make_conninfo(info, connect_timeout=connect_timeout)
-        if "application_name" not in given:
-            info = pg_conninfo.make_conninfo(info, application_name="pglock-leader")
-        conn = psycopg.connect(info, autocommit=True)
+        params = pg_conninfo.conninfo_to_dict(info)
+        params.setdefault("connect_timeout", max(2, math.ceil(self._network_timeout)))
+        params.setdefault("application_name", "pglock-leader")
+        conn = psycopg.connect(pg_conninfo.make_conninfo("", **params), autocommit=True)
         try:
             _conn.run(conn, _sql.leader_session_setup(idle, 1, count, user_timeout))
             pid, started, in_recovery = _conn.run(conn, _sql.LEADER_SESSION)[0]

@@ -71,9 +71,8 @@ class RWHold(BaseLock):
     @property
     def connection(self) -> Any:
         """The connection holding the lock (what ``with`` yields) while held, else None."""
-        inner = self._inner
-        if isinstance(inner, PoolLock):
-            return inner.connection
+        if isinstance(self._inner, PoolLock):
+            return self._inner.connection
         return self._rw._source if self._outstanding() else None
 
     def __repr__(self) -> str:

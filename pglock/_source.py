@@ -51,7 +51,6 @@ LISTEN_DEADLINE = 10.0
 
 
 def short_deadline(ttl: float) -> float:
-    """The deadline of a statement that waits for nothing, sent now (:data:`SHORT_DEADLINE`)."""
     low, high = SHORT_DEADLINE
     return time.monotonic() + min(high, max(low, ttl))
 
@@ -93,9 +92,9 @@ class Source:
 
     kind = "?"
 
-    def __init__(self, key: tuple[Any, ...]) -> None:
+    def __init__(self, key: tuple[Any, ...], database: tuple[Any, ...] | None = None) -> None:
         self.key = key
-        self.database: tuple[Any, ...] = key
+        self.database = database or key
 
     def run_once_more(
         self, execute: Callable[[psycopg.Connection[Any]], T], user: str, kind: str,
@@ -116,10 +115,8 @@ class Source:
         conn, done = self._checkout(_checkout_wait(timeout, deadline), False, deadline)
         try:
             return within(conn, deadline, lambda: execute(conn), what), False
-        except NoAnswer:
-            raise
         except psycopg.OperationalError as exc:
-            if not (conn.closed or conn.broken):
+            if isinstance(exc, NoAnswer) or not (conn.closed or conn.broken):
                 raise
             first: psycopg.OperationalError = exc
         finally:
@@ -162,7 +159,6 @@ class Source:
 
 
 def _checkout_wait(timeout: float | None, deadline: float | None) -> float | None:
-    """The longest wait for a pool connection: ``timeout``, shortened to the deadline."""
     if deadline is None:
         return timeout
     left = max(0.0, deadline - time.monotonic())
@@ -179,15 +175,14 @@ def _alive(conn: psycopg.Connection[Any]) -> bool:
     if conn.closed or conn.broken:
         return False
     try:
-        if conn.autocommit or conn.info.transaction_status != TransactionStatus.IDLE:
-            _conn.fetch(conn, b"")
-        else:
+        flip = not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE
+        if flip:
             conn.autocommit = True
-            try:
-                _conn.fetch(conn, b"")
-            finally:
-                if not (conn.closed or conn.broken):
-                    conn.autocommit = False
+        try:
+            _conn.fetch(conn, b"")
+        finally:
+            if flip and not (conn.closed or conn.broken):
+                conn.autocommit = False
     except psycopg.OperationalError:
         if conn.closed or conn.broken:
             return False
@@ -196,8 +191,6 @@ def _alive(conn: psycopg.Connection[Any]) -> bool:
 
 
 def _pick(checkout: Callable[[], Checkout], tries: int, deadline: float | None) -> Checkout:
-    """Check out up to ``tries`` connections: the first that answers (pinged by ``deadline``),
-    else the last one, unpinged."""
     for _ in range(tries - 1):
         conn, done = checkout()
         try:
@@ -211,8 +204,6 @@ def _pick(checkout: Callable[[], Checkout], tries: int, deadline: float | None) 
 
 
 def _identity_of(conninfo: object, kwargs: object) -> tuple[Any, ...] | None:
-    """:func:`database_identity` of a conninfo string and connect keyword arguments (None:
-    unknown, e.g. a callable conninfo, which is left uncalled)."""
     if not isinstance(conninfo, str):
         return None
     given = kwargs if isinstance(kwargs, Mapping) else {}
@@ -236,10 +227,9 @@ class PoolSource(Source):
     kind = "pool"
 
     def __init__(self, pool: Any) -> None:
-        super().__init__(("pool", id(pool)))
-        self.pool = pool
         # A callable conninfo or kwargs is left uncalled: the identity is the pool itself.
-        self.database = _identity_of(pool.conninfo, pool.kwargs) or self.key
+        super().__init__(("pool", id(pool)), _identity_of(pool.conninfo, pool.kwargs))
+        self.pool = pool
 
     def _checkout(self, timeout: float | None, fresh: bool, deadline: float | None) -> Checkout:
         pool = self.pool
@@ -272,14 +262,13 @@ class EngineSource(Source):
     kind = "engine"
 
     def __init__(self, engine: Any) -> None:
-        super().__init__(("engine", id(engine)))
-        self.engine = engine
         try:
             params = engine.dialect.create_connect_args(engine.url)[1]
         except Exception:
             params = None
-        if isinstance(params, Mapping):
-            self.database = database_identity(params)
+        identity = database_identity(params) if isinstance(params, Mapping) else None
+        super().__init__(("engine", id(engine)), identity)
+        self.engine = engine
 
     def _checkout(self, timeout: float | None, fresh: bool, deadline: float | None) -> Checkout:
         # The engine's pool has its own checkout timeout: pglock cannot shorten it per call.
@@ -323,17 +312,16 @@ class DsnSource(Source):
     kind = "dsn"
 
     def __init__(self, dsn: str) -> None:
-        super().__init__(("dsn", dsn))
+        super().__init__(("dsn", dsn), _identity_of(dsn, None))
         extra = connect_extra(dsn)
         self.conninfo = make_conninfo(dsn, **extra) if extra else dsn
-        self.database = _identity_of(dsn, None) or self.key
         self._idle: list[psycopg.Connection[Any]] = []
         self._lock = threading.Lock()
 
     def _connect(self) -> psycopg.Connection[Any]:
         return psycopg.connect(self.conninfo, autocommit=True)
 
-    def _get(self, *, fresh: bool, deadline: float | None) -> psycopg.Connection[Any]:
+    def _checkout(self, timeout: float | None, fresh: bool, deadline: float | None) -> Checkout:
         if fresh:
             # The idle ones likely died too (server restart, network drop): close them (cheap).
             self.close()
@@ -341,9 +329,10 @@ class DsnSource(Source):
             while self._idle:
                 conn = self._idle.pop()
                 if not (conn.closed or conn.broken):
-                    return conn
+                    return conn, functools.partial(self._put, conn)
         # Given up at the deadline, a connect that succeeds later joins the idle ones.
-        return connect_within(self._connect, deadline, self._put)
+        conn = connect_within(self._connect, deadline, self._put)
+        return conn, functools.partial(self._put, conn)
 
     def _put(self, conn: psycopg.Connection[Any]) -> None:
         if not (conn.closed or conn.broken) and conn.info.transaction_status == _conn.IDLE:
@@ -352,10 +341,6 @@ class DsnSource(Source):
                     self._idle.append(conn)
                     return
         conn.close()
-
-    def _checkout(self, timeout: float | None, fresh: bool, deadline: float | None) -> Checkout:
-        conn = self._get(fresh=fresh, deadline=deadline)
-        return conn, lambda: self._put(conn)
 
     def open_listener(self, deadline: float | None = None) -> Checkout:
         conn = connect_within(self._connect, deadline, close_quietly)
@@ -423,10 +408,9 @@ def make_source(source: object, user: str) -> Source:
     except psycopg.ProgrammingError as exc:
         raise ValueError(f"invalid DSN: {exc}") from None
     with _dsn_lock:
-        found = _dsn_sources.get(dsn)
-        if found is None:
-            found = _dsn_sources[dsn] = DsnSource(dsn)
-        return found
+        if dsn not in _dsn_sources:
+            _dsn_sources[dsn] = DsnSource(dsn)
+        return _dsn_sources[dsn]
 
 
 def open_listening(source: Source, channel: str, deadline: float | None = None) -> Checkout:
