@@ -65,6 +65,16 @@ class Held:
         with self._lock:
             self._retry_at = sent + min(1.0, max(0.05, self._ttl / 10))
 
+    def _advance(self, sent: float, ttl: float, received: float) -> bool:
+        """With ``_lock`` held: move the deadline on for a renewal sent at ``sent``, unless its
+        answer came after it (False: lost by then; a late answer never brings it back)."""
+        if received >= self._deadline:
+            return False
+        self._sent_at = max(self._sent_at, sent)
+        self._deadline = max(self._deadline, sent + ttl)
+        self._retry_at = None
+        return True
+
 
 class _Worker:
     """The renewal thread of one (source, schema) and its batches, run one after another."""
@@ -95,9 +105,8 @@ class _Keepalive:
         with self.lock:
             self.held.add(item)
             if self.thread is None or not self.thread.is_alive():
-                self.thread = threading.Thread(
-                    target=self._run, name="pglock-keepalive", daemon=True
-                )
+                self.thread = threading.Thread(target=self._run, name="pglock-keepalive",
+                                               daemon=True)
                 self.next_wake = -math.inf
                 self.thread.start()
             elif min(item._renew_at(), item._deadline) < self.next_wake:
@@ -118,7 +127,6 @@ class _Keepalive:
                 time.sleep(0.1)
 
     def _schedule(self) -> None:
-        """Losses at their deadline, batches to the workers, sleep; again."""
         while True:
             with self.lock:
                 now = time.monotonic()
@@ -170,16 +178,13 @@ class _Keepalive:
         worker = self.workers.get(group) or self.workers.setdefault(group, _Worker(self.lock))
         worker.batches.append(items)
         if worker.thread is None:
-            worker.thread = threading.Thread(
-                target=self._work, args=(group, worker), name=f"pglock-renewal-{group[1]}",
-                daemon=True,
-            )
+            worker.thread = threading.Thread(target=self._work, args=(group, worker),
+                                             name=f"pglock-renewal-{group[1]}", daemon=True)
             worker.thread.start()
         else:
             worker.cond.notify()
 
     def _work(self, group: Key, worker: _Worker) -> None:
-        """Renew the group's batches, one statement per kind of grant; exit when idle."""
         while True:
             with self.lock:
                 while not worker.batches:

@@ -334,7 +334,6 @@ class Lease(_base.BaseLock, _ttl.Held):
         ) is not None
 
     def _try_once(self, wait: float | None) -> _ttl.Attempt:
-        """One attempt of a waiter (the head of this process's queue for the name)."""
         row = self._attempt(wait)
         if row is not None and row.granted and self._granted(row):
             return True, False, None
@@ -449,7 +448,17 @@ class Lease(_base.BaseLock, _ttl.Held):
 
         :raises RuntimeError: the lease is not held (never acquired, or released).
         """
-        self._ensure_valid()
+        with self._lock:
+            state, reason, deadline = self._state, self._lost_reason, self._deadline
+        if state not in (_HELD, _LOST):
+            raise RuntimeError(f"lease {self._name!r} is not held")
+        if state is _LOST:
+            raise LockLost(self._name, reason=reason)
+        if time.monotonic() >= deadline:
+            self._lose("its TTL ran out before a renewal succeeded")
+            with self._lock:
+                reason = self._lost_reason
+            raise LockLost(self._name, reason=reason)
 
     def extend(self, ttl: float | None = None) -> None:
         """Renew the lease now for ``ttl`` seconds (default: the lease's TTL); keeps the token.
@@ -462,7 +471,7 @@ class Lease(_base.BaseLock, _ttl.Held):
         """
         new_ttl = self._ttl if ttl is None else validate_ttl(ttl)
         with self._op:
-            self._ensure_valid()
+            self.check()
             with self._lock:
                 token, gen, deadline = self._token, self._gen, self._deadline
             sent = time.monotonic()
@@ -473,18 +482,18 @@ class Lease(_base.BaseLock, _ttl.Held):
                 )
             except NoAnswer:
                 self._lose("extend got no answer before the lease's client deadline", gen=gen)
-                self._ensure_valid()
+                self.check()
                 raise
             received = time.monotonic()
             if not rows:
                 self._lose("extend found it no longer held (expired or taken over)", gen=gen)
-                self._ensure_valid()
+                self.check()
             with self._lock:
                 self._ttl = new_ttl
             expires_at = _lease_rows.Renewal._make(rows[0]).expires_at
             self._renewed(gen, sent, new_ttl, expires_at, received)
             # Lost meanwhile (the keepalive's deadline, a late answer): never return as renewed.
-            self._ensure_valid()
+            self.check()
 
     def guard(self, conn: object) -> None:
         """Fence a write: in the caller's open transaction on the lease's database, check that
@@ -503,26 +512,13 @@ class Lease(_base.BaseLock, _ttl.Held):
                 lease.guard(conn)
                 conn.execute("UPDATE accounts SET ... WHERE id = 1")
         """
-        self._ensure_valid()
+        self.check()
         with self._lock:
             token, gen = self._token, self._gen
         if not fence(conn, self._source, self._schema, self._name, self._holder, token, self._ttl):
             self._lose("guard found it no longer held (expired or taken over)", gen=gen)
-            self._ensure_valid()
+            self.check()
             raise LockLost(self._name, reason="guard found it no longer held")
-
-    def _ensure_valid(self) -> None:
-        with self._lock:
-            state, reason, deadline = self._state, self._lost_reason, self._deadline
-        if state not in (_HELD, _LOST):
-            raise RuntimeError(f"lease {self._name!r} is not held")
-        if state is _LOST:
-            raise LockLost(self._name, reason=reason)
-        if time.monotonic() >= deadline:
-            self._lose("its TTL ran out before a renewal succeeded")
-            with self._lock:
-                reason = self._lost_reason
-            raise LockLost(self._name, reason=reason)
 
     def _live(self) -> bool:
         return self._state is _HELD
@@ -537,24 +533,18 @@ class Lease(_base.BaseLock, _ttl.Held):
     def _renewed(
         self, gen: int, sent: float, ttl: float, expires_at: datetime, received: float
     ) -> None:
-        """A renewal sent at ``sent`` answered at ``received``: move the deadline on, unless the
-        answer came after it (the lease was lost by then: a late answer never brings it back)."""
+        """A renewal of grant ``gen`` answered: :meth:`_advance`, and the later expiry kept."""
         with self._lock:
             if gen != self._gen or self._state is not _HELD:
                 return
-            late = received >= self._deadline
-            if not late:
-                self._sent_at = max(self._sent_at, sent)
-                self._deadline = max(self._deadline, sent + ttl)
-                if self._expires_at is None or expires_at > self._expires_at:
-                    self._expires_at = expires_at
-                self._retry_at = None
+            late = not self._advance(sent, ttl, received)
+            if not late and (self._expires_at is None or expires_at > self._expires_at):
+                self._expires_at = expires_at
         if late:
             self._lose("a renewal's answer arrived after the lease's client deadline", gen=gen)
 
     @classmethod
     def _renew_batch(cls, leases: list[Lease]) -> None:
-        """One ``extend_many`` for the due leases of a (source, schema)."""
         held = [(lease, due) for lease in leases if (due := lease._due()) is not None]
         if not held:
             return

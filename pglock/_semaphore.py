@@ -151,7 +151,6 @@ class Permit(_ttl.Held):
 
     @classmethod
     def _renew_batch(cls, permits: list[Permit]) -> None:
-        """One ``semaphore_extend`` for the due permits of every semaphore of a (source, schema)."""
         live = [p for p in permits if p._live()]
         if not live:
             return
@@ -178,20 +177,16 @@ class Permit(_ttl.Held):
             p._renewed(p.holder in renewed, sent, received)
 
     def _renewed(self, renewed: bool, sent: float, received: float) -> None:
-        """Apply a renewal's answer: a permit renewed moves its deadline on, unless the answer
-        came after its deadline (a late answer never brings a lost permit back)."""
+        """Apply a renewal's answer: a permit renewed moves on (:meth:`_advance`), else is lost."""
         with self._lock:
             if not self._live():
                 return
             if not renewed:
                 reason = "the renewal found it expired (its holder paused too long)"
-            elif received >= self._deadline:
-                reason = "a renewal's answer arrived after the permit's client deadline"
-            else:
-                self._sent_at = max(self._sent_at, sent)
-                self._deadline = max(self._deadline, sent + self._ttl)
-                self._retry_at = None
+            elif self._advance(sent, self._ttl, received):
                 return
+            else:
+                reason = "a renewal's answer arrived after the permit's client deadline"
         self._lose(reason)
 
 
@@ -360,10 +355,10 @@ class Semaphore(_base.BaseLock):
     def _not_acquired(self) -> LockNotAcquired:
         return _not_acquired(self._name, 1, self._timeout)
 
-    def _wake(self) -> None:
+    def _wake(self, *, head: bool = False) -> None:
         src = self._source
         if src is not None:
-            _ttl.wake(self._wait_key(src), self)
+            _ttl.wake(self._wait_key(src), self, head=head)
 
     def release(self) -> None:
         """Give back the permits of this thread's latest :meth:`acquire`.
@@ -486,9 +481,7 @@ class Semaphore(_base.BaseLock):
 
     def _poke(self) -> None:
         """Wake this object's first waiter (a local release: it tries at once)."""
-        src = self._source
-        if src is not None:
-            _waiting.waiters.poke(self._wait_key(src), self)
+        self._wake(head=True)
 
     def _release_permit(self, permit: Permit) -> None:
         if permit._released:

@@ -30,6 +30,8 @@ LISTENER_IDLE = 30.0
 _LISTENER_TICK = 0.5
 
 Key = tuple[Any, ...]
+#: A waiter's place in a queue: notified when it is its turn, or to look again.
+Ticket = threading.Condition
 #: An attempt's outcome: the grant (None: none), whether the database refused (rather than no
 #: answer, or a grant too late), and when to look again (monotonic; None: at the next wake-up).
 Attempt = tuple[Any, bool, float | None]
@@ -57,7 +59,7 @@ class _Queue:
     __slots__ = ("holder", "listening", "tickets", "version")
 
     def __init__(self) -> None:
-        self.tickets: deque[threading.Condition] = deque()  # one per waiter, the head first
+        self.tickets: deque[Ticket] = deque()  # one per waiter, the head first
         self.version = 0  # bumped by every event that may have freed the name
         self.holder: Any = None  # a grant of this process on the name: the head waits for it
         self.listening = False  # the head has had a listener (Rows.look_again_on_subscribe)
@@ -145,16 +147,16 @@ class _Waiters:
         self.listener_create = threading.Lock()
         self.rng = random.Random()
 
-    def enqueue(self, key: Key, owner: object) -> tuple[_Queue, threading.Condition]:
+    def enqueue(self, key: Key, owner: object) -> tuple[_Queue, Ticket]:
         with self.lock:
             owners = self.queues.setdefault(key, {})
             q = owners.get(owner) or owners.setdefault(owner, _Queue())
-            ticket = threading.Condition(self.lock)
+            ticket = Ticket(self.lock)
             q.tickets.append(ticket)
             self.waiting[key[:3]] += 1
             return q, ticket
 
-    def dequeue(self, key: Key, owner: object, q: _Queue, ticket: threading.Condition) -> None:
+    def dequeue(self, key: Key, owner: object, q: _Queue, ticket: Ticket) -> None:
         with self.lock:
             was_head = bool(q.tickets) and q.tickets[0] is ticket
             try:
@@ -173,9 +175,7 @@ class _Waiters:
                 if not owners:
                     del self.queues[key]
 
-    def wait_head(
-        self, q: _Queue, ticket: threading.Condition, deadline: float | None, closed: Closed
-    ) -> bool:
+    def wait_head(self, q: _Queue, ticket: Ticket, deadline: float | None, closed: Closed) -> bool:
         with self.lock:
             while q.tickets[0] is not ticket:
                 if (left := _remaining(deadline)) == 0 or closed():
@@ -183,22 +183,13 @@ class _Waiters:
                 ticket.wait(left)
             return not closed()
 
-    def sleep(
-        self, q: _Queue, ticket: threading.Condition, seen: int, until: float, closed: Closed
-    ) -> bool:
+    def sleep(self, q: _Queue, ticket: Ticket, seen: int, until: float, closed: Closed) -> bool:
         """Sleep until the queue's version moves on from ``seen`` (True), ``until`` passes or
         the wait is closed."""
         with self.lock:
             while q.version == seen and (left := until - time.monotonic()) > 0 and not closed():
                 ticket.wait(left)
             return q.version != seen
-
-    def wake(self, key: Key, owner: object) -> None:
-        """Wake every waiter of one queue (a close(): each asks whether it is closed)."""
-        with self.lock:
-            if (q := self.queues.get(key, {}).get(owner)) is not None:
-                for ticket in q.tickets:
-                    ticket.notify()
 
     def on_notify(self, lkey: Key, name: str) -> None:
         with self.lock:
@@ -208,12 +199,6 @@ class _Waiters:
     def wake_all(self, lkey: Key) -> None:
         with self.lock:
             for q in [q for k, qs in self.queues.items() if k[:3] == lkey for q in qs.values()]:
-                q.wake_head()
-
-    def poke(self, key: Key, owner: object) -> None:
-        """Wake the head of one queue (a local release)."""
-        with self.lock:
-            if (q := self.queues.get(key, {}).get(owner)) is not None:
                 q.wake_head()
 
     def hold(self, key: Key, holder: object) -> None:
@@ -331,10 +316,17 @@ def wait(
         waiters.dequeue(key, owner, q, ticket)
 
 
-def wake(key: Key | None, owner: object) -> None:
-    """Wake the waiters of the queue ``key`` of ``owner`` now (a close())."""
-    if key is not None:
-        waiters.wake(key, owner)
+def wake(key: Key | None, owner: object, *, head: bool = False) -> None:
+    """Wake every waiter of the queue ``key`` of ``owner`` now (a close(): each asks whether it
+    is closed), or with ``head`` its head, which looks again at once (a local release)."""
+    with waiters.lock:
+        if key is None or (q := waiters.queues.get(key, {}).get(owner)) is None:
+            return
+        if head:
+            q.wake_head()
+        else:
+            for ticket in q.tickets:
+                ticket.notify()
 
 
 def _listen(
