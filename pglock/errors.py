@@ -309,15 +309,7 @@ class SchemaNotInstalled(LockError):
 
 
 __all__ = [
-    "DeadlockDetected",
-    "HolderInUse",
-    "InvalidConnectionState",
-    "LimitMismatch",
-    "LockError",
-    "LockLost",
-    "LockNotAcquired",
-    "LockTableFull",
-    "SchemaNotInstalled",
-    "SelfDeadlock",
+    "DeadlockDetected", "HolderInUse", "InvalidConnectionState", "LimitMismatch", "LockError",
+    "LockLost", "LockNotAcquired", "LockTableFull", "SchemaNotInstalled", "SelfDeadlock",
     "UnsupportedServer",
 ]
