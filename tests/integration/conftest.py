@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import sqlalchemy as sa
+from _pgdb import sa_url
 from test_lease_support import lease_database, with_app
 
 from pglock import _lease
@@ -27,3 +29,16 @@ def dsn(db: str, app_name: str) -> Iterator[str]:
     are closed after the test."""
     yield with_app(db, app_name)
     _lease.shutdown()
+
+
+@pytest.fixture
+def engine(pg_dsn: str, app_name: str) -> Iterator[sa.Engine]:
+    """A SQLAlchemy engine (psycopg driver, no pool) whose sessions carry the test's
+    application_name."""
+    eng = sa.create_engine(
+        sa_url(pg_dsn), connect_args={"application_name": app_name}, poolclass=sa.NullPool
+    )
+    try:
+        yield eng
+    finally:
+        eng.dispose()

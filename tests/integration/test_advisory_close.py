@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 import sqlalchemy as sa
-from _pgdb import sa_url
 from _threads import in_thread
 from psycopg.pq import TransactionStatus
 from sqlalchemy.orm import Session
@@ -37,17 +36,6 @@ def wait_until_waiting(observer: psycopg.Connection[Any], pid: int, name: str) -
             return
         time.sleep(0.01)
     raise AssertionError(f"backend {pid} never started waiting for {name!r}")
-
-
-@pytest.fixture
-def engine(pg_dsn: str, app_name: str) -> Iterator[sa.Engine]:
-    eng = sa.create_engine(
-        sa_url(pg_dsn), connect_args={"application_name": app_name}, poolclass=sa.NullPool
-    )
-    try:
-        yield eng
-    finally:
-        eng.dispose()
 
 
 def holding(other: psycopg.Connection[Any], name: str) -> None:

@@ -18,13 +18,12 @@ as to refuse a thread wrongly:
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 import sqlalchemy as sa
-from _pgdb import sa_url
 from _threads import in_thread
 from _truth import held
 from psycopg import sql
@@ -39,17 +38,6 @@ Connect = Callable[..., psycopg.Connection[Any]]
 
 def xk(name: str) -> tuple[int, str]:
     return (pglock.key(name), "ExclusiveLock")
-
-
-@pytest.fixture
-def engine(pg_dsn: str, app_name: str) -> Iterator[sa.Engine]:
-    eng = sa.create_engine(
-        sa_url(pg_dsn), connect_args={"application_name": app_name}, poolclass=sa.NullPool
-    )
-    try:
-        yield eng
-    finally:
-        eng.dispose()
 
 
 @pytest.fixture

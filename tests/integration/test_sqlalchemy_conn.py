@@ -7,7 +7,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -31,17 +31,6 @@ def app_pids(observer: psycopg.Connection[Any], app_name: str) -> list[int]:
         "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (app_name,)
     ).fetchall()
     return [r[0] for r in rows]
-
-
-@pytest.fixture
-def engine(pg_dsn: str, app_name: str) -> Iterator[sa.Engine]:
-    eng = sa.create_engine(
-        sa_url(pg_dsn), connect_args={"application_name": app_name}, poolclass=sa.NullPool
-    )
-    try:
-        yield eng
-    finally:
-        eng.dispose()
 
 
 def pid_of(sa_conn: sa.Connection) -> int:
