@@ -92,7 +92,8 @@ class PgLock(BaseLock):
         self._owner: threading.Thread | None = None
         # The bookkeeping the lock was taken under: a pool reset drops it and marks it lost.
         self._state: ConnState | None = None
-        self._flight: Flight | None = None  # the current wait, for close() to cancel
+        self._flight: Flight | None = None  # the wait, for close() to cancel (made once)
+        self._gen = 0  # the close() generation the current acquire() began in
 
     @property
     def names(self) -> list[str]:
@@ -129,12 +130,15 @@ class PgLock(BaseLock):
                         f"this pg_lock handle for {self._names!r} is already held; create "
                         "another pg_lock(...) to re-enter from the same thread"
                     )
-                flight = self._flight = Flight(lambda: waiters.closed(gen))
-                if flight.stop():
+                self._gen = gen
+                flight = self._flight
+                if flight is None:
+                    flight = self._flight = Flight(lambda: waiters.closed(self._gen))
+                if waiters.closed(gen):
                     return False
                 state = _conn.state_for(self._target.conn)
                 ok = acquire(
-                    self._target, self._keys, self._names,
+                    self._target, state, self._keys, self._names,
                     shared=self._shared, timeout=timeout, flight=flight,
                 )
                 if ok:
@@ -161,7 +165,7 @@ class PgLock(BaseLock):
             state, self._state = self._state, None
             if state is not None and state.lost is not None:
                 raise LockLost.for_names(self._names, state.lost)
-            _release(self._target.conn, self._keys, self._names, owner)
+            _release(self._target.conn, state, self._keys, self._names, owner)
 
     def _outstanding(self) -> bool:
         return self._owner is not None
@@ -171,7 +175,7 @@ class PgLock(BaseLock):
 
     def _wake(self) -> None:
         state = _conn.state_for(self._target.conn)
-        with state.cond:  # a wait in-process, for another thread of this connection
+        with state.lock:  # a wait in-process, for another thread of this connection
             state.cond.notify_all()
         flight = self._flight
         if flight is not None:
@@ -230,7 +234,7 @@ def drop_stale_xact(
             raise
         now, found = rows[0]
         held = set(found or ())
-    with state.cond:
+    with state.lock:
         for k in keys:
             record = records[k]
             if state.xact.get(k) is not record:
@@ -291,13 +295,12 @@ def housekeeping(conn: psycopg.Connection[Any], state: ConnState, ctx: Context) 
 
 
 def acquire(
-    target: Target, keys: list[int], names: list[str], *, shared: bool, timeout: float | None,
-    flight: Flight,
+    target: Target, state: ConnState, keys: list[int], names: list[str], *, shared: bool,
+    timeout: float | None, flight: Flight,
 ) -> bool:
     """Take a session lock on ``keys`` for this thread: in-process, then in Postgres for the
     keys the session does not hold yet. False when not acquired in time, or once closed."""
     conn = target.conn
-    state = _conn.state_for(conn)
     me = threading.current_thread()
     deadline = _deadline(timeout)
     need = reserved(
@@ -326,7 +329,7 @@ def acquire(
         if granted:
             # Interrupted (KeyboardInterrupt) after Postgres granted the lock but before the
             # handle could record it: nobody would release it, so give it back now.
-            _release(conn, keys, names, me)
+            _release(conn, state, keys, names, me)
         raise
     finally:
         if not granted:
@@ -359,17 +362,18 @@ def _session_lock(
             stmt = _sql.lock(keys, shared=shared, xact=False, try_=try_)
         stmt = sql.SQL("; ").join([stmt, _registry.statement(registering)])
 
-    own_tx = status == IDLE and not conn.autocommit
     try:
-        if stmt is None and len(keys) == 1:  # the common case: no timeout, no caller's transaction
-            row = _conn.run_one(conn, _sql.LOCK_ONE[(False, shared, try_)], (keys[0],), ctx)
-            rows = [(keys[0], row[0] if row else None)]
-        elif stmt is None:
-            rows = _conn.run(conn, _sql.LOCK_MANY[(shared, try_)], ctx, (keys,))
+        if stmt is None:  # the common case: no timeout, no caller's transaction
+            res = _lock_statement(conn, keys, ctx, shared=shared, try_=try_)
+            if status == IDLE and conn.pgconn.transaction_status == INTRANS:
+                conn.commit()  # begun by psycopg's cursor (see _conn.call)
+            if not try_:
+                return True
+            rows = [(keys[0], _conn.truth(res))] if len(keys) == 1 else _conn.pairs(res)
         else:
             rows = _conn.run(conn, stmt, ctx)
-        if own_tx:
-            conn.commit()
+            if status == IDLE and not conn.autocommit:
+                conn.commit()
         _registry.mark(conn, registering)
     except BaseException as exc:
         _after_failed_session_lock(conn, status, keys, shared)
@@ -380,6 +384,14 @@ def _session_lock(
             return _session_lock(conn, state, keys, ctx, shared=shared, timeout=timeout)
         return False
     return not try_ or _all_or_nothing(conn, status, rows, keys, shared)
+
+
+def _lock_statement(
+    conn: psycopg.Connection[Any], keys: list[int], ctx: Context, *, shared: bool, try_: bool
+) -> Any:
+    if len(keys) == 1:
+        return _conn.call(conn, _sql.LOCK_ONE[(False, shared, try_)], (keys[0],), ctx)
+    return _conn.call(conn, _sql.LOCK_MANY[(shared, try_)], (keys,), ctx)
 
 
 def _all_or_nothing(
@@ -446,15 +458,16 @@ def _after_failed_session_lock(
 
 
 def _release(
-    conn: psycopg.Connection[Any], keys: list[int], names: list[str], owner: threading.Thread,
+    conn: psycopg.Connection[Any], state: ConnState | None, keys: list[int], names: list[str],
+    owner: threading.Thread,
 ) -> None:
-    state = _conn.state_for(conn)
+    state = state or _conn.state_for(conn)
     emptied = _holds.unreserve(state, keys, owner)
     if not emptied:
         logger.debug("left re-entered %r", names)
         return
     by_mode: dict[bool, list[int]] = {}
-    with state.cond:
+    with state.lock:
         for k in emptied:
             hold = state.holds.get(k)
             by_mode.setdefault(hold is not None and hold.mode == "s", []).append(k)
@@ -488,10 +501,10 @@ def _session_unlock(
         ok = True
         for shared, keys in by_mode.items():
             if len(keys) == 1:
-                row = _conn.run_one(conn, _sql.UNLOCK_ONE[shared], (keys[0],))
+                res = _conn.call(conn, _sql.UNLOCK_ONE[shared], (keys[0],))
             else:
-                row = _conn.run_one(conn, _sql.UNLOCK_MANY[shared], (keys,))
-            ok = ok and bool(row and row[0])
+                res = _conn.call(conn, _sql.UNLOCK_MANY[shared], (keys,))
+            ok = _conn.truth(res) and ok
         return ok
 
     try:

@@ -28,7 +28,7 @@ def wait_for(blocking: object, timeout: object, default: float | None) -> float 
     return 0.0
 
 
-def release_after(release: Callable[[], None], exc: BaseException | None, what: str) -> None:
+def release_after(release: Callable[[], None], exc: BaseException | None, what: object) -> None:
     """Release at the end of a ``with`` block, never masking the block's own exception: when
     the block raised, a failed release is logged (WARNING) instead of replacing it."""
     if exc is None:
@@ -137,4 +137,4 @@ class BaseLock(abc.ABC):
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         # After an explicit release() inside the block there is nothing left to release.
         if self._outstanding():
-            release_after(self.release, exc, repr(self))
+            release_after(self.release, exc, self)  # %s of a lock object: its repr

@@ -7,19 +7,21 @@ from __future__ import annotations
 
 import logging
 import select
+import struct
 import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
-from psycopg import sql
+from psycopg import generators, sql
 from psycopg.adapt import AdaptersMap
-from psycopg.pq import ExecStatus, TransactionStatus
+from psycopg.pq import ConnStatus, ExecStatus, Format, TransactionStatus
+from psycopg.pq.abc import PGresult
 from psycopg.rows import tuple_row
 
 from . import _sql
@@ -38,6 +40,9 @@ from .errors import (
 logger = logging.getLogger("pglock")
 
 _TUPLES_OK = ExecStatus.TUPLES_OK
+_FATAL_ERROR = ExecStatus.FATAL_ERROR
+_CONNECTION_OK = ConnStatus.OK
+_R = TypeVar("_R")
 Query = str | bytes | sql.SQL | sql.Composed
 
 IDLE = TransactionStatus.IDLE
@@ -72,6 +77,8 @@ def resolve(obj: object, api: str = "pglock") -> Target:
     :raises TypeError: ``obj`` is not a connection pglock can use.
     :raises InvalidConnectionState: the connection is closed.
     """
+    if type(obj) is psycopg.Connection:  # the common case, without classify()'s walk
+        return Target(_check_open(obj), obj, "psycopg")
     kind = classify(obj, HELD, api=api, hints=_USE_A_CONNECTION)
     if kind is Kind.CONNECTION:
         assert isinstance(obj, psycopg.Connection)
@@ -120,17 +127,18 @@ def ensure_sqlalchemy_transaction(target: Target) -> None:
             sa_conn.begin()
 
 
-def stable_status(conn: psycopg.Connection[Any]) -> TransactionStatus:
-    """The transaction status once any statement another thread is running has finished."""
+def stable_status(conn: psycopg.Connection[Any]) -> int:
+    """The transaction status (a :class:`~psycopg.pq.TransactionStatus` value) once any
+    statement another thread is running has finished."""
     # pgconn's raw status: conn.info builds a new ConnectionInfo on every access.
     status = conn.pgconn.transaction_status
     if status == ACTIVE:
         with conn.lock:
             status = conn.pgconn.transaction_status
-    return TransactionStatus(status)
+    return status
 
 
-def check_usable(conn: psycopg.Connection[Any]) -> TransactionStatus:
+def check_usable(conn: psycopg.Connection[Any]) -> int:
     status = stable_status(conn)
     _check_open(conn)
     if status == INERROR:
@@ -149,6 +157,9 @@ class Context:
     schema: str | None = None  # of a lease/semaphore statement: its absence is SchemaNotInstalled
     waits: bool = True  # lock timeouts, cancels, deadlocks, full lock table: lock errors
     flight: Flight | None = None  # the wait close() cancels
+
+
+_NO_CONTEXT = Context()
 
 
 class _OwnAdapters:
@@ -205,7 +216,8 @@ def fetch(
     if flight is None:
         cur.execute(query, params, **kwargs)
     else:
-        flight.execute(cur, query, params, kwargs)
+        # What cur.execute() runs, under the connection lock Flight.run takes.
+        flight.run(conn, lambda: conn.wait(cur._execute_gen(query, params, **kwargs)))
     # The status of each result, not cur.description, which builds column objects.
     results: list[list[tuple[Any, ...]]] = []
     while True:
@@ -259,6 +271,134 @@ def run_all(
         raise translated from exc
 
 
+_INT8, _UNPACK_INT8 = struct.Struct("!q").pack, struct.Struct("!q").unpack
+_INT8_OID, _INT8_ARRAY_OID = 20, 1016
+_BINARY, _TEXT = Format.BINARY, Format.TEXT
+Param = int | Sequence[int]
+
+
+def direct(conn: psycopg.Connection[Any]) -> bool:
+    """May :func:`call` send on ``conn`` straight through libpq: not in pipeline mode, and its
+    owner did not choose client-side binding (kept for a proxy that needs it)?"""
+    if conn.pgconn.pipeline_status:
+        return False
+    factory = conn.cursor_factory
+    return not (isinstance(factory, type) and issubclass(factory, psycopg.ClientCursor))
+
+
+def call(
+    conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param] = (),
+    ctx: Context | None = None,
+) -> PGresult:
+    """Send one fixed statement of :mod:`pglock._sql` (``$n`` placeholders, bigint or bigint[]
+    parameters; several ``;``-joined statements without parameters) through libpq, results in
+    binary (with parameters) or text: the last result that returned rows. The pglock hot path:
+    no cursor, adapter or row factory, so nothing of the caller's connection set-up applies
+    (the caller checks :func:`direct` first). Errors are translated as :func:`run_all` does."""
+    ctx = ctx or _NO_CONTEXT
+    try:
+        if ctx.deadline is None:
+            return _call(conn, query, params, ctx.flight)
+        return within(
+            conn, ctx.deadline, lambda: _call(conn, query, params, ctx.flight), "a lock statement"
+        )
+    except psycopg.Error as exc:
+        translated = translate(exc, ctx)
+        if translated is None:
+            raise
+        raise translated from exc
+
+
+def _call(
+    conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param], flight: Flight | None
+) -> PGresult:
+    if not direct(conn):
+        return _call_on_cursor(conn, query, params, flight)
+    pgconn = conn.pgconn
+    if params:
+        values = [
+            _INT8(p) if isinstance(p, int) else b"{%s}" % b",".join(b"%d" % k for k in p)
+            for p in params
+        ]
+        types = [_INT8_OID if isinstance(p, int) else _INT8_ARRAY_OID for p in params]
+        formats = [_BINARY if isinstance(p, int) else _TEXT for p in params]
+
+        def send() -> list[PGresult]:
+            _check_sendable(pgconn)
+            pgconn.send_query_params(query, values, types, formats, _BINARY)
+            return conn.wait(generators.execute(pgconn))
+    else:
+
+        def send() -> list[PGresult]:
+            _check_sendable(pgconn)
+            pgconn.send_query(query)
+            return conn.wait(generators.execute(pgconn))
+
+    if flight is None:
+        with conn.lock:
+            results = send()
+    else:
+        results = flight.run(conn, send)
+    found = None
+    for res in results:
+        status = res.status
+        if status == _TUPLES_OK:
+            found = res
+        elif status == _FATAL_ERROR:
+            raise pg_errors.error_from_result(res, encoding=conn.info.encoding)
+    if found is None:
+        raise psycopg.ProgrammingError(f"no rows from {query!r}")
+    return found
+
+
+def _check_sendable(pgconn: Any) -> None:
+    if pgconn.status != _CONNECTION_OK:
+        raise psycopg.OperationalError("the connection is closed")
+
+
+def _call_on_cursor(
+    conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param], flight: Flight | None
+) -> PGresult:
+    """:func:`call` through pglock's own cursor (pipeline mode, client-side binding), the
+    parameters rendered as literals (bigints only: nothing from outside goes in as text)."""
+    for n in range(len(params), 0, -1):
+        p = params[n - 1]
+        literal = b"%d::int8" % p if isinstance(p, int) else b"'{%s}'::int8[]" % b",".join(
+            b"%d" % int(k) for k in p
+        )
+        query = query.replace(b"$%d" % n, literal)
+    cur = cursor(conn)
+    if flight is None:
+        cur.execute(query, prepare=False)
+    else:
+        flight.run(conn, lambda: conn.wait(cur._execute_gen(query, prepare=False)))
+    found = None
+    while True:
+        res = cur.pgresult
+        if res is not None and res.status == _TUPLES_OK:
+            found = res
+        if not cur.nextset():
+            break
+    if found is None:
+        raise psycopg.ProgrammingError(f"no rows from {query!r}")
+    return found
+
+
+def truth(res: PGresult, row: int = 0, col: int = 0) -> bool:
+    """A boolean of a :func:`call` result, binary (``\\x01``) or text (``t``)."""
+    return res.get_value(row, col) in (b"\x01", b"t")
+
+
+def pairs(res: PGresult) -> list[tuple[int, bool]]:
+    """The ``(bigint, boolean)`` rows of a :func:`call` result."""
+    binary = res.fformat(0) == _BINARY
+    return [
+        (_UNPACK_INT8(v)[0] if binary else int(v), truth(res, i, 1))
+        for i in range(res.ntuples)
+        if (v := res.get_value(i, 0)) is not None
+    ]
+
+
 #: How long past a lock attempt's own timeout pglock waits for the server's answer on a
 #: caller's connection; a statement still unanswered (a silent network, a stalled server) is
 #: cut off and its connection closed (its session ends, and every lock of it with it).
@@ -282,26 +422,26 @@ class Flight:
         self.stop = stop  # true once the wait must end (its lock object was closed)
         self._mutex = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
-        self._left = threading.Event()
+        self._left = True
+        self._ended: threading.Condition | None = None  # made by the first cancel()
 
-    def execute(
-        self, cur: psycopg.Cursor[Any], query: Any, params: Any, kwargs: dict[str, bool]
-    ) -> None:
-        """``cur.execute(query, params, **kwargs)``, cancellable by :meth:`cancel`."""
-        conn = cur.connection
+    def run(self, conn: psycopg.Connection[Any], send: Callable[[], _R]) -> _R:
+        """``send()`` (which sends one statement on ``conn`` and waits for its answer) under
+        ``conn.lock``, cancellable by :meth:`cancel`."""
         with conn.lock:
             with self._mutex:
                 if self.stop():
                     raise Woken
                 self._conn = conn
-                self._left.clear()
+                self._left = False
             try:
-                # What cur.execute() runs, under the lock this thread already holds.
-                conn.wait(cur._execute_gen(query, params, **kwargs))
+                return send()
             finally:
                 with self._mutex:
                     self._conn = None
-                    self._left.set()
+                    self._left = True
+                    if self._ended is not None:
+                        self._ended.notify_all()
 
     def cancel(self) -> None:
         """Cancel the registered statement, again until it has ended (a few seconds at most)."""
@@ -317,8 +457,10 @@ class Flight:
                     except Exception:
                         logger.debug("cancelling a waiting lock statement failed", exc_info=True)
                         return
-            if self._left.wait(pause):
-                return
+                if self._ended is None:
+                    self._ended = threading.Condition(self._mutex)
+                if self._ended.wait_for(lambda: self._left, pause):
+                    return
             pause = min(2 * pause, 1.0)
 
 
@@ -402,10 +544,13 @@ class ConnState:
     """pglock's knowledge about one psycopg connection (one Postgres session)."""
 
     def __init__(self) -> None:
-        self.cond = threading.Condition(threading.Lock())
+        self.lock = threading.Lock()  # guards what follows; ``with state.lock`` (cheaper)
+        self.cond = threading.Condition(self.lock)  # for wait/notify, under ``lock``
+        self.sleepers = 0  # threads in cond.wait(): a change wakes them only when there are any
         self.holds: dict[int, KeyHold] = {}
         self.probed = False
         self.registry: str | None = None  # the name registry's schema, if installed and writable
+        self.database: tuple[Any, ...] = ()  # (host, port, dbname), for the registry's cache
         self.backend_pid: int | None = None
         self.deferred: list[tuple[int, bool]] = []  # unlocks not sent (failed transaction at exit)
         self.xact: dict[int, XactHold] = {}  # a record may outlive its lock (pg_locks decides)
@@ -434,7 +579,7 @@ def forget(conn: psycopg.Connection[Any], *, lost: str | None = None) -> ConnSta
     with _registry_lock:
         state = _registry.pop(conn, None)
     if state is not None and lost is not None:
-        with state.cond:
+        with state.lock:
             state.lost = lost
             state.cond.notify_all()
     return state
@@ -452,6 +597,8 @@ def probe(conn: psycopg.Connection[Any], state: ConnState, ctx: Context | None =
         )
     state.backend_pid = pid
     state.registry = registry
+    info = conn.info
+    state.database = (info.host, info.port, info.dbname)
     state.session_timeouts = bool(timeouts)
     # PgBouncer (any mode) and other multiplexing poolers answer the startup with a cancel key
     # of their own, so the pid the client was told differs from the server's.

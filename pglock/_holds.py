@@ -55,7 +55,7 @@ def reserve(
     from Postgres, or None at the deadline or once ``stop()``."""
     me = threading.current_thread()
     mode = "s" if shared else "x"
-    with state.cond:
+    with state.lock:
         while True:
             if state.xact:
                 xact_conflicts(conn, state, keys, names, checked)
@@ -64,7 +64,11 @@ def reserve(
             left = remaining(deadline)
             if left == 0.0 or stop():
                 return None
-            state.cond.wait(left)
+            state.sleepers += 1
+            try:
+                state.cond.wait(left)
+            finally:
+                state.sleepers -= 1
         need: list[int] = []
         for k in keys:
             hold = state.holds.get(k)
@@ -79,7 +83,7 @@ def reserve(
 def unreserve(state: ConnState, keys: Sequence[int], me: threading.Thread) -> list[int]:
     """Drop one count of ``me`` from ``keys``; return the keys no thread holds any more (pending
     until :func:`settle`, so other threads wait)."""
-    with state.cond:
+    with state.lock:
         emptied: list[int] = []
         for k in keys:
             hold = state.holds.get(k)
@@ -97,14 +101,15 @@ def unreserve(state: ConnState, keys: Sequence[int], me: threading.Thread) -> li
 
 
 def settle(state: ConnState, granted: Sequence[int], dropped: Sequence[int]) -> None:
-    with state.cond:
+    with state.lock:
         for k in granted:
             hold = state.holds.get(k)
             if hold is not None:
                 hold.pending = False
         for k in dropped:
             state.holds.pop(k, None)
-        state.cond.notify_all()
+        if state.sleepers:
+            state.cond.notify_all()
 
 
 def xact_conflicts(
@@ -143,12 +148,16 @@ def xact_reserve(
     """
     me = threading.current_thread()
     mode = "s" if shared else "x"
-    with state.cond:
+    with state.lock:
         while state.holds and _session_conflict(state, keys, me, mode):
             left = remaining(deadline)
             if left == 0.0:
                 return None
-            state.cond.wait(left)
+            state.sleepers += 1
+            try:
+                state.cond.wait(left)
+            finally:
+                state.sleepers -= 1
         if state.xact:
             xact_conflicts(conn, state, keys, names, checked)
         prior = {k: state.xact.get(k) for k in keys}
@@ -180,7 +189,7 @@ def xact_settle(
     """Turn this attempt's reservations into records (granted), back into what they replaced
     (``started`` is None), or into records of unknown outcome (:data:`UNKNOWN`)."""
     me = threading.current_thread()
-    with state.cond:
+    with state.lock:
         mine = {k: r for k in keys if (r := state.xact.get(k)) is not None and r.owner is me}
         if started is None:
             for k in mine:

@@ -241,7 +241,7 @@ class LeaderElection:
         return self.start()
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        release_after(self.resign, exc, repr(self))
+        release_after(self.resign, exc, self)
 
     def wait_elected(self, timeout: float | None = None) -> bool:
         """Block until this candidate is the leader; False on timeout or after resign.

@@ -115,7 +115,7 @@ def release_all(
     deferred = set()
     believed: list[int] = []
     if state is not None:
-        with state.cond:
+        with state.lock:
             deferred = {f"{k} shared" if s else str(k) for k, s in state.deferred}
             believed = sorted(k for k, h in state.holds.items() if h.owners)
     leaked = [h for h in held if h not in deferred]
@@ -406,7 +406,7 @@ def _clean(kind: str, conn: Any, names: list[str]) -> bool:
     if raw is None:
         return False
     state = _conn.state_for(raw)
-    with state.cond:
+    with state.lock:
         leftover = bool(state.holds or state.deferred)
     if leftover:  # rare: the common case sends no SQL
         if raw.info.transaction_status != IDLE:
@@ -423,7 +423,7 @@ def _clean(kind: str, conn: Any, names: list[str]) -> bool:
         if raw is None:
             return False
         state = _conn.state_for(raw)
-    with state.cond:
+    with state.lock:
         pending = bool(state.deferred)
     return raw.info.transaction_status == IDLE and not pending
 

@@ -32,6 +32,7 @@ class Registration:
     pairs: tuple[tuple[int, str], ...]
     #: Sent in a transaction of pglock's own (not the caller's): commit it asynchronously.
     own_transaction: bool = False
+    database: tuple[Any, ...] = ()  # (host, port, dbname) of the connection
 
     def __bool__(self) -> bool:
         return bool(self.pairs)
@@ -58,12 +59,12 @@ def pending(
     schema = state.registry
     if schema is None:
         return _NOTHING
-    db = _database(conn)
+    db = state.database or _database(conn)
     with _lock:
         pairs = tuple(
             (k, n) for k, n in zip(keys, names, strict=True) if (db, k) not in _seen
         )
-    return Registration(schema, pairs, own_transaction)
+    return Registration(schema, pairs, own_transaction, db)
 
 
 def statement(registration: Registration) -> sql.Composed:
@@ -78,7 +79,7 @@ def mark(conn: psycopg.Connection[Any], registration: Registration) -> None:
     """Remember that ``registration`` was sent for ``conn``'s database."""
     if not registration:
         return
-    db = _database(conn)
+    db = registration.database
     with _lock:
         for k, _ in registration.pairs:
             _seen[(db, k)] = None

@@ -30,24 +30,31 @@ _LOCK_FUNCS = {
 
 _UNLOCK_FUNCS = {False: "pg_advisory_unlock", True: "pg_advisory_unlock_shared"}
 
-# Fixed text, so that psycopg prepares it: the uncontended cycle costs what raw SQL costs.
-LOCK_ONE = {flags: f"SELECT pg_catalog.{func}(%s)" for flags, func in _LOCK_FUNCS.items()}
-UNLOCK_ONE = {shared: f"SELECT pg_catalog.{func}(%s)" for shared, func in _UNLOCK_FUNCS.items()}
+# Fixed text with ``$1`` placeholders, sent by pglock._conn.call straight through libpq (the key
+# in binary): the uncontended cycle costs what raw SQL costs.
+LOCK_ONE = {
+    flags: f"SELECT pg_catalog.{func}($1)".encode() for flags, func in _LOCK_FUNCS.items()
+}
+UNLOCK_ONE = {
+    shared: f"SELECT pg_catalog.{func}($1)".encode() for shared, func in _UNLOCK_FUNCS.items()
+}
 # The same for several keys (sorted by the caller), as one array parameter: unnest() yields them
 # in order and the function runs once per row in scan order. Session-level only.
 # (shared, try) -> query; try-locks return (key, granted) rows.
 LOCK_MANY = {
     (shared, try_): (  # func is one of the fixed names above, never input
-        f"SELECT k, pg_catalog.{func}(k) FROM unnest(%s::bigint[])"  # noqa: S608
+        f"SELECT k, pg_catalog.{func}(k) FROM unnest($1::bigint[])"  # noqa: S608
         " WITH ORDINALITY AS t(k, i) ORDER BY i"
         if try_
-        else f"SELECT pg_catalog.{func}(k) FROM unnest(%s::bigint[]) AS k"  # noqa: S608
-    )
+        else f"SELECT pg_catalog.{func}(k) FROM unnest($1::bigint[]) AS k"  # noqa: S608
+    ).encode()
     for (xact, shared, try_), func in _LOCK_FUNCS.items()
     if not xact
 }
 UNLOCK_MANY = {
-    shared: f"SELECT bool_and(pg_catalog.{func}(k)) FROM unnest(%s::bigint[]) AS k"  # noqa: S608
+    shared: (
+        f"SELECT bool_and(pg_catalog.{func}(k)) FROM unnest($1::bigint[]) AS k"  # noqa: S608
+    ).encode()
     for shared, func in _UNLOCK_FUNCS.items()
 }
 
