@@ -288,19 +288,25 @@ def direct(conn: psycopg.Connection[Any]) -> bool:
 
 def call(
     conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param] = (),
-    ctx: Context | None = None,
+    ctx: Context | None = None, *, begin: bool = False,
 ) -> PGresult:
     """Send one fixed statement of :mod:`pglock._sql` (``$n`` placeholders, bigint or bigint[]
     parameters; several ``;``-joined statements without parameters) through libpq, results in
     binary (with parameters) or text: the last result that returned rows. The pglock hot path:
     no cursor, adapter or row factory, so nothing of the caller's connection set-up applies
-    (the caller checks :func:`direct` first). Errors are translated as :func:`run_all` does."""
+    (in pipeline mode or with client-side binding it goes through pglock's cursor). Errors are
+    translated as :func:`run_all` does. ``begin``: the statement belongs in the caller's
+    transaction, which psycopg begins first on an idle non-autocommit connection."""
     ctx = ctx or _NO_CONTEXT
+    send = _call
+    idle = conn.pgconn.transaction_status == IDLE
+    if not direct(conn) or (begin and idle and not conn.autocommit):
+        send = _call_on_cursor
     try:
         if ctx.deadline is None:
-            return _call(conn, query, params, ctx.flight)
+            return send(conn, query, params, ctx.flight)
         return within(
-            conn, ctx.deadline, lambda: _call(conn, query, params, ctx.flight), "a lock statement"
+            conn, ctx.deadline, lambda: send(conn, query, params, ctx.flight), "a lock statement"
         )
     except psycopg.Error as exc:
         translated = translate(exc, ctx)
@@ -312,8 +318,6 @@ def call(
 def _call(
     conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param], flight: Flight | None
 ) -> PGresult:
-    if not direct(conn):
-        return _call_on_cursor(conn, query, params, flight)
     pgconn = conn.pgconn
     if params:
         values = [
@@ -359,8 +363,8 @@ def _check_sendable(pgconn: Any) -> None:
 def _call_on_cursor(
     conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param], flight: Flight | None
 ) -> PGresult:
-    """:func:`call` through pglock's own cursor (pipeline mode, client-side binding), the
-    parameters rendered as literals (bigints only: nothing from outside goes in as text)."""
+    """:func:`call` through pglock's own cursor (pipeline mode, client-side binding, a
+    transaction to begin), the parameters rendered as literals (bigints only)."""
     for n in range(len(params), 0, -1):
         p = params[n - 1]
         literal = b"%d::int8" % p if isinstance(p, int) else b"'{%s}'::int8[]" % b",".join(
@@ -389,14 +393,16 @@ def truth(res: PGresult, row: int = 0, col: int = 0) -> bool:
     return res.get_value(row, col) in (b"\x01", b"t")
 
 
+def bigint(res: PGresult, row: int = 0, col: int = 0) -> int:
+    """A (non-null) bigint of a :func:`call` result, binary or text."""
+    value = res.get_value(row, col)
+    assert value is not None
+    return _UNPACK_INT8(value)[0] if res.fformat(col) == _BINARY else int(value)
+
+
 def pairs(res: PGresult) -> list[tuple[int, bool]]:
     """The ``(bigint, boolean)`` rows of a :func:`call` result."""
-    binary = res.fformat(0) == _BINARY
-    return [
-        (_UNPACK_INT8(v)[0] if binary else int(v), truth(res, i, 1))
-        for i in range(res.ntuples)
-        if (v := res.get_value(i, 0)) is not None
-    ]
+    return [(bigint(res, i), truth(res, i, 1)) for i in range(res.ntuples)]
 
 
 #: How long past a lock attempt's own timeout pglock waits for the server's answer on a
@@ -535,7 +541,7 @@ class XactHold:
     owner: threading.Thread
     mode: str = "x"  # "x" (exclusive) or "s" (shared)
     pending: bool = True  # the owner's statement is in flight
-    #: The holding transaction's ``transaction_timestamp()`` once granted; None while pending
+    #: Its transaction's start (µs since 1970: _sql._TX_START) once granted; None while pending
     #: or after an unexpected error (pg_locks decides when another thread asks).
     started: Any = None
 

@@ -30,6 +30,10 @@ _LOCK_FUNCS = {
 
 _UNLOCK_FUNCS = {False: "pg_advisory_unlock", True: "pg_advisory_unlock_shared"}
 
+#: The open transaction's identity for pglock's transaction-lock records: its start in
+#: microseconds since 1970 (a bigint reads the same in text and binary, whatever DateStyle).
+_TX_START = "(extract(epoch FROM pg_catalog.transaction_timestamp()) * 1000000)::int8"
+
 # Fixed text with ``$1`` placeholders, sent by pglock._conn.call straight through libpq (the key
 # in binary): the uncontended cycle costs what raw SQL costs.
 LOCK_ONE = {
@@ -94,7 +98,7 @@ def _names_schema(schema: str, privilege: str) -> sql.Composed:
 _XACT_ONE = {
     (shared, try_): (
         'SAVEPOINT "_pglock_acquire"; '
-        f"SELECT pg_catalog.transaction_timestamp(), pg_catalog.{func}(%d); "
+        f"SELECT {_TX_START}, pg_catalog.{func}(%d); "
         'RELEASE SAVEPOINT "_pglock_acquire"'
     )
     for (xact, shared, try_), func in _LOCK_FUNCS.items()
@@ -102,7 +106,7 @@ _XACT_ONE = {
 }
 
 
-def xact_one(key: int, *, shared: bool, try_: bool) -> bytes:
+def xact_one(key: int, *, shared: bool, try_: bool) -> bytes:  # for pglock._conn.call
     """See ``_XACT_ONE``; ``key`` goes in as a Python int, never as text from outside."""
     return (_XACT_ONE[(shared, try_)] % int(key)).encode()
 
@@ -165,7 +169,7 @@ def register_names(
 
 # Identifies the current transaction (its start time): transaction locks taken in it by one
 # thread must not be handed to another thread sharing the connection.
-TRANSACTION_START = sql.SQL("SELECT pg_catalog.transaction_timestamp()")
+TRANSACTION_START = sql.SQL(f"SELECT {_TX_START}")
 
 
 def held_in_transaction(keys: Sequence[int]) -> sql.Composed:
@@ -173,7 +177,7 @@ def held_in_transaction(keys: Sequence[int]) -> sql.Composed:
     savepoint of pglock's own: did another thread's record of a transaction lock outlive it (a
     rolled-back savepoint releases the locks taken inside)?"""
     return sql.SQL(
-        "SAVEPOINT {sp}; SELECT pg_catalog.transaction_timestamp(), ARRAY({held}); "
+        "SAVEPOINT {sp}; SELECT " + _TX_START + ", ARRAY({held}); "
         "RELEASE SAVEPOINT {sp}"
     ).format(sp=SAVEPOINT_NAME, held=_held(keys, sql.SQL("")))
 

@@ -124,11 +124,10 @@ def _statement(
     if limit is None and len(keys) == 1 and not registering:
         # The common case, in one pre-rendered round trip (see _sql.xact_one).
         stmt = _sql.xact_one(keys[0], shared=shared, try_=try_)
-        rows = _run(conn, state, timeout, lambda: _conn.run(conn, stmt, ctx))
-        if rows is None or rows is AGAIN:
-            return rows
-        started, got = rows[0]
-        return None if try_ and not got else started
+        res = _run(conn, state, timeout, lambda: _conn.call(conn, stmt, (), ctx, begin=True))
+        if res is None or res is AGAIN:
+            return res
+        return None if try_ and not _conn.truth(res, 0, 1) else _conn.bigint(res)
     started = _batch(
         conn, state, keys, shared=shared, timeout=timeout, limit=limit,
         registering=registering, ctx=ctx,
