@@ -72,12 +72,18 @@ def _key(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big", signed=True)
 
 
+@functools.lru_cache(maxsize=4096)
+def _pair(name: str) -> tuple[int, str]:
+    """``(key, name)`` of a valid name (an invalid one raises, and is not cached)."""
+    return _key(validate_name(name)), name
+
+
 def normalize_names(names: object) -> list[tuple[int, str]]:
     """Validate one name or several; return ``(key, name)`` pairs sorted by key, one per key
     (every process takes several names in the same order, so overlapping sets cannot deadlock).
     """
     if isinstance(names, str):
-        return [(_key(validate_name(names)), names)]
+        return [_pair(names)]
     if isinstance(names, (bytes, bytearray, memoryview)):
         raise TypeError("a lock name must be a str, not bytes; decode it first")
     if not isinstance(names, (list, tuple, set, frozenset)):

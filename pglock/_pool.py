@@ -140,10 +140,17 @@ _USE_PG_LOCK = dict.fromkeys(
 _USE_PG_LOCK[Kind.DSN] = "use pglock.Locker(dsn), which keeps a pool for a DSN"
 
 
+#: Classes classify() found to be psycopg_pool pools (the common case, without the walk).
+_POOL_TYPES: set[type] = set()
+
+
 def _classify(source: object, api: str = "pool_lock") -> str:
     """``"psycopg_pool"`` or ``"sqlalchemy"``; TypeError for anything else (no I/O)."""
+    if type(source) in _POOL_TYPES:
+        return "psycopg_pool"
     kind = classify(source, (Kind.POOL, Kind.ENGINE), api=api, hints=_USE_PG_LOCK)
     if kind is Kind.POOL:
+        _POOL_TYPES.add(type(source))
         return "psycopg_pool"
     check_driver(cast(Any, source).dialect)
     return "sqlalchemy"
@@ -409,7 +416,7 @@ def _clean(kind: str, conn: Any, names: list[str]) -> bool:
     with state.lock:
         leftover = bool(state.holds or state.deferred)
     if leftover:  # rare: the common case sends no SQL
-        if raw.info.transaction_status != IDLE:
+        if raw.pgconn.transaction_status != IDLE:
             return False
         source = f"pool_lock {names!r} (before giving its connection back to the pool)"
         lost = _LEFTOVER_LOST.format(names=names)
