@@ -128,8 +128,8 @@ def run_once_more(
     if v4 and _NO_QUEUE.get((source.key, schema), -1.0) > time.monotonic():
         raise NoQueue
     try:
-        return _ttl.run(
-            LEASES, source, kind, schema, stmt(kind, schema), params,
+        return _ttl.run(  # logged by its name: "acquire", "release", "wait", "leave"
+            LEASES, source, kind.removesuffix("_v4"), schema, stmt(kind, schema), params,
             binary=kind == "extend_many", timeout=timeout, deadline=deadline,
         )
     except SchemaNotInstalled as exc:
