@@ -286,7 +286,8 @@ class Lease(_base.BaseLock, _ttl.Held):
             )
             logger.warning("acquiring lease %r: %s: %s", self._name, self._why_not, exc)
             return None
-        row = Grant._make((*rows[0][:6], sent, time.monotonic(), *rows[0][6:]))
+        found = rows[0]
+        row = Grant._make((*found[:6], sent, time.monotonic(), found[6] if v4 else None))
         if not row.granted:
             self._refused = (row.holder, row.expires_at)
         return row
