@@ -16,12 +16,12 @@ from datetime import datetime
 from enum import Enum
 from typing import Any, TypedDict
 
-from . import _base, _claims, _lease_rows, _ttl
+from . import _base, _claims, _lease_rows, _ttl, _waiting
 from ._claims import default_holder
 from ._classify import Deferred
 from ._contract import DEFAULT_SCHEMA, lease_channel, validate_schema
 from ._deadline import NoAnswer
-from ._keys import validate_flag, validate_name, validate_timeout
+from ._keys import remaining, validate_flag, validate_name, validate_timeout
 from ._lease_rows import Grant, LeaseInfo, fence, lease_info, list_leases, make_source, renew_many
 from ._lease_rows import run as _run
 from ._source import ANSWER_GRACE, WAIT_CHUNK, Source, short_deadline
@@ -37,6 +37,11 @@ logger = logging.getLogger("pglock.lease")
 
 #: Wake this much after the holder's expiry, so the server sees it expired.
 _EXPIRY_MARGIN = 0.002
+#: A waiter queued in the database (revision 0004) that has not been heard from for this long
+#: is skipped; it sends its heartbeat (``wait_v4``) every ``HEARTBEAT`` seconds. A dead head
+#: stalls the queue at most about LIVENESS + handoff window + HEARTBEAT after a release.
+LIVENESS = 1.0
+HEARTBEAT = LIVENESS / 3
 
 
 class State(Enum):
@@ -67,6 +72,8 @@ class Lease(_base.BaseLock, _ttl.Held):
     has its holder id, and :class:`pglock.LockLost` for ``resume=True`` when no live lease of
     the holder exists.
     """
+
+    _qkey: tuple[Any, ...]  # set by _bind: the name's key in the process's wait queues
 
     def __init__(
         self, source: object, name: str, *, ttl: float = 30.0, timeout: float | None = None,
@@ -259,14 +266,17 @@ class Lease(_base.BaseLock, _ttl.Held):
     def _claim_state(self) -> tuple[bool, bool]:
         return not self._lost_now(), self._state is _HELD
 
-    def _attempt(self, wait: float | None) -> Grant | None:
+    def _attempt(self, wait: float | None, v4: bool = False) -> Grant | None:
         """One acquire statement, the server waiting ``wait`` s at most (None: ``WAIT_CHUNK``):
-        its row with send and receive times, or None when cut off at ``wait + ANSWER_GRACE``."""
+        its row with send and receive times, or None when cut off at ``wait + ANSWER_GRACE``.
+        ``v4``: ``acquire_v4``, which queues the caller unless ``wait`` is 0 (NoQueue: the
+        schema has no queue)."""
         wait = WAIT_CHUNK if wait is None else min(wait, WAIT_CHUNK)
+        params: tuple[Any, ...] = (self._ttl, self._metadata_json, wait, self._durable)
         sent = time.monotonic()
         try:
             rows = self._send(
-                "acquire", self._ttl, self._metadata_json, wait, self._durable,
+                "acquire_v4" if v4 else "acquire", *params, *((LIVENESS,) if v4 else ()),
                 timeout=wait or None, deadline=sent + wait + ANSWER_GRACE,
             )
         except NoAnswer as exc:
@@ -276,13 +286,16 @@ class Lease(_base.BaseLock, _ttl.Held):
             )
             logger.warning("acquiring lease %r: %s: %s", self._name, self._why_not, exc)
             return None
-        row = Grant._make((*rows[0], sent, time.monotonic()))
+        row = Grant._make((*rows[0][:6], sent, time.monotonic(), *rows[0][6:]))
         if not row.granted:
             self._refused = (row.holder, row.expires_at)
         return row
 
     def _attempt_once(self) -> bool:
-        row = self._attempt(0.0)
+        try:
+            row = self._attempt(0.0, v4=True)  # never queues, never passes a live queue
+        except _lease_rows.NoQueue:
+            row = self._attempt(0.0)
         if row is None:
             return False
         if row.granted:
@@ -290,10 +303,13 @@ class Lease(_base.BaseLock, _ttl.Held):
         logger.debug("lease %r is held by %r until %s", self._name, row.holder, row.expires_at)
         return False
 
-    def _granted(self, row: Grant) -> bool:
-        """Believe a grant, if its answer came before its client deadline; else give it back
-        (best effort) and return False."""
-        if row.received >= row.sent + self._ttl:
+    def _granted(self, row: Grant, life: float | None = None) -> bool:
+        """Believe a grant for ``life`` seconds (default: the TTL) from ``row.sent``, if its
+        answer came before then; else give it back (best effort) and return False. A shorter
+        ``life`` (a grant handed over by a release) is renewed early: by the keepalive at half
+        of it, or here before returning without one."""
+        life = self._ttl if life is None else min(life, self._ttl)
+        if row.received >= row.sent + life:
             self._give_back(row.token, row.received - row.sent)
             return False
         with self._lock:
@@ -304,11 +320,29 @@ class Lease(_base.BaseLock, _ttl.Held):
             self._acquired_at = row.acquired_at
             self._expires_at = row.expires_at
             self._sent_at = row.sent
-            self._deadline = row.sent + self._ttl
-            self._retry_at = None
+            self._deadline = row.sent + life
+            self._retry_at = row.sent + life / 2 if life < self._ttl else None
         logger.debug("acquired lease %r (token %s)", self._name, row.token)
         _ttl.register(self)
+        if life < self._ttl and not self._keepalive:
+            return self._stretch()
         return True
+
+    def _stretch(self) -> bool:
+        """Renew a grant handed over with a short expiry to the full TTL, once (no keepalive)."""
+        with self._lock:
+            token, gen, deadline = self._token, self._gen, self._deadline
+        sent = time.monotonic()
+        try:
+            rows = self._send("extend", token, self._ttl, self._durable, deadline=deadline)
+        except NoAnswer:
+            rows = []
+        if rows:
+            expires_at = _lease_rows.Renewal._make(rows[0]).expires_at
+            self._renewed(gen, sent, self._ttl, expires_at, time.monotonic())
+        else:
+            self._lose("its handed-over grant could not be renewed in time", gen=gen)
+        return self.locked
 
     def _give_back(self, token: int | None, took: float) -> None:
         """A grant whose answer came after its client deadline: this handle never believes
@@ -319,19 +353,113 @@ class Lease(_base.BaseLock, _ttl.Held):
         )
         logger.info("lease %r: %s", self._name, self._why_not)
         try:
-            self._send("release", token)
+            self._release_rows(token, short_deadline(self._ttl))
         except Exception as exc:
             logger.info(
                 "giving back the late grant of lease %r failed (it expires at its TTL): %r",
                 self._name, exc,
             )
 
+    def _release_rows(
+        self, token: int | None, deadline: float
+    ) -> tuple[list[tuple[Any, ...]], bool]:
+        """The release statement (``release_v4`` where the schema has the queue: a waiter of
+        this process it hands the lease to is woken at once, before its NOTIFY arrives)."""
+        params = (self._name, self._holder, token)
+        try:
+            found = _lease_rows.run_once_more(
+                self._source, "release_v4", self._schema, params, deadline=deadline
+            )
+        except _lease_rows.NoQueue:
+            return _lease_rows.run_once_more(
+                self._source, "release", self._schema, params, deadline=deadline
+            )
+        _, _, holder, *grant = found[0][0]
+        if holder is not None:
+            _waiting.waiters.deliver(self._qkey, holder, _waiting.Handed._make(grant))
+        return found
+
     def _wait_and_acquire(self, timeout: float | None, closed: _ttl.Closed) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
+        if _lease_rows.has_queue(self._source, self._schema):
+            try:
+                return self._wait_in_queue(deadline, closed)
+            except _lease_rows.NoQueue:
+                pass  # revision 0004 is not installed: wait the 0001 way
         return _ttl.wait(
             _lease_rows.LEASES, self._source, self._schema, self._name, None, deadline,
             self._try_once, self._local_wake, closed,
         ) is not None
+
+    def _wait_in_queue(self, deadline: float | None, closed: _ttl.Closed) -> bool:
+        """Queue in the database (``acquire_v4``) and wait there for a grant handed over by a
+        release or a takeover, heartbeating; queue again at the tail if skipped as dead."""
+        _waiting.listen(_lease_rows.LEASES, self._source, self._schema, deadline)
+        slot = _waiting.waiters.expect(self._qkey, self._holder)
+        try:
+            while not closed():
+                row = self._attempt(remaining(deadline), v4=True)
+                if row is None:
+                    return False
+                if row.granted and self._granted(row):
+                    return True
+                if row.waiter is not None:
+                    _waiting.waiters.line_up(self._qkey, slot)
+                    outcome = self._in_queue(slot, row.waiter, row.sent, deadline, closed)
+                    if outcome is not None:
+                        return outcome
+                elif deadline is not None and time.monotonic() >= deadline:
+                    return False
+                elif not row.granted:
+                    time.sleep(random.uniform(0.001, 0.005))  # raced with a grant: look again
+            return False
+        finally:
+            _waiting.waiters.unexpect(self._qkey, self._holder)
+
+    def _in_queue(
+        self, slot: _waiting.Slot, waiter: int, seen: float, deadline: float | None,
+        closed: _ttl.Closed,
+    ) -> bool | None:
+        """Wait as queued ``waiter`` (last seen waiting by a statement sent at ``seen``): True
+        granted, False given up (timeout, close()), None skipped (queue again)."""
+        slot_wait = _waiting.waiters.await_grant
+        beat = seen + HEARTBEAT
+        while True:
+            until = beat if deadline is None else min(beat, deadline)
+            handed = slot_wait(slot, waiter, until, closed)
+            if handed is not None:
+                # Granted after the last statement that saw it waiting: believed from then.
+                life = (handed.expires_at - handed.acquired_at).total_seconds()
+                row = Grant(True, self._holder, handed.token, handed.acquired_at,
+                            handed.expires_at, None, seen, time.monotonic())
+                return True if self._granted(row, life) else None
+            now = time.monotonic()
+            if closed() or (deadline is not None and now >= deadline):
+                self._leave(waiter)
+                return False
+            sent = now
+            try:
+                rows = self._send("wait_v4", waiter, LIVENESS, deadline=sent + LIVENESS)
+            except NoAnswer:
+                beat = time.monotonic()  # silent: it may be skipped; the next beat tells
+                continue
+            state, _, token, acquired_at, expires_at, server_time = rows[0]
+            if state == "waiting":
+                seen, beat = sent, sent + HEARTBEAT
+                continue
+            if state != "granted":
+                return None
+            life = (expires_at - server_time).total_seconds()
+            row = Grant(True, self._holder, token, acquired_at, expires_at, server_time, sent,
+                        time.monotonic())
+            return True if self._granted(row, life) else None
+
+    def _leave(self, waiter: int) -> None:
+        """Leave the queue (best effort: a waiter that says nothing is skipped anyway)."""
+        try:
+            self._send("leave_v4", waiter)
+        except Exception as exc:
+            logger.info("lease %r: leaving the wait queue failed: %r", self._name, exc)
 
     def _try_once(self, wait: float | None) -> _ttl.Attempt:
         row = self._attempt(wait)
@@ -411,10 +539,7 @@ class Lease(_base.BaseLock, _ttl.Held):
                 reason = reason or "another handle of this process took it over"
                 raise LockLost(self._name, reason=reason)
             try:
-                rows, again = _lease_rows.run_once_more(
-                    self._source, "release", self._schema, (self._name, self._holder, token),
-                    deadline=short_deadline(self._ttl),
-                )
+                rows, again = self._release_rows(token, short_deadline(self._ttl))
             except BaseException:
                 _ttl.unregister(self)
                 logger.warning(
@@ -424,7 +549,7 @@ class Lease(_base.BaseLock, _ttl.Held):
                 raise
             finally:
                 _claims.unclaim(self)
-            status, notified = rows[0]  # 'released', 'expired' or 'not_held'; NOTIFY sent
+            status, notified = rows[0][:2]  # 'released', 'expired' or 'not_held'; NOTIFY sent
             _ttl.unregister(self, notified=bool(notified))
             if status == "released":
                 logger.debug("released lease %r (token %s)", self._name, token)

@@ -21,9 +21,19 @@ from ._contract import DEFAULT_SCHEMA, lease_channel, validate_schema
 from ._keys import validate_name
 from ._source import SHORT_DEADLINE, Source, short_deadline
 from ._source import make_source as _make_source
-from .errors import InvalidConnectionState
+from .errors import InvalidConnectionState, SchemaNotInstalled
 
 LEASES = _ttl.Rows("lease", lease_channel)
+
+#: Per (source key, schema): until when (monotonic) its schema is known to lack revision
+#: 0004's queue. Its ``_v4`` functions are tried first; where they are missing, the 0001 ones
+#: are used, and tried again after this long (an upgrade is then picked up).
+_NO_QUEUE: dict[tuple[Any, ...], float] = {}
+NO_QUEUE_RECHECK = 60.0
+
+
+class NoQueue(Exception):
+    """The schema has no revision 0004 (no lease waiter queue): use the 0001 functions."""
 
 
 class Grant(NamedTuple):
@@ -37,6 +47,7 @@ class Grant(NamedTuple):
     server_time: datetime | None
     sent: float
     received: float
+    waiter: int | None = None  # acquire_v4: queued with this waiter id (not granted)
 
 
 class Renewal(NamedTuple):
@@ -84,6 +95,10 @@ _STATEMENTS: dict[str, Callable[[str], sql.Composed]] = {
     "guard": _sql.lease_guard,
     "info": _sql.lease_info,
     "list": _sql.lease_list,
+    "acquire_v4": _sql.lease_acquire_v4,
+    "release_v4": _sql.lease_release_v4,
+    "wait_v4": _sql.lease_wait_v4,
+    "leave_v4": _sql.lease_leave_v4,
 }
 
 
@@ -106,11 +121,28 @@ def run_once_more(
 ) -> tuple[list[tuple[Any, ...]], bool]:
     """Send one lease statement; return its rows and whether it was sent a second time
     (:func:`_ttl.run`). That is safe: every lease statement is idempotent per holder (an
-    acquire by the same holder keeps the token; extend and release name holder and token)."""
-    return _ttl.run(
-        LEASES, source, kind, schema, stmt(kind, schema), params,
-        binary=kind == "extend_many", timeout=timeout, deadline=deadline,
-    )
+    acquire by the same holder keeps the token; extend and release name holder and token; a
+    waiter queues once per holder). A ``_v4`` kind raises :class:`NoQueue` where the schema
+    has no revision 0004."""
+    v4 = kind.endswith("_v4")
+    if v4 and _NO_QUEUE.get((source.key, schema), -1.0) > time.monotonic():
+        raise NoQueue
+    try:
+        return _ttl.run(  # logged by its name: "acquire", "release", "wait", "leave"
+            LEASES, source, kind.removesuffix("_v4"), schema, stmt(kind, schema), params,
+            binary=kind == "extend_many", timeout=timeout, deadline=deadline,
+        )
+    except SchemaNotInstalled as exc:
+        if not v4:
+            _NO_QUEUE.pop((source.key, schema), None)  # no schema at all: nothing to remember
+            raise
+        _NO_QUEUE[(source.key, schema)] = time.monotonic() + NO_QUEUE_RECHECK
+        raise NoQueue from exc
+
+
+def has_queue(source: Source, schema: str) -> bool:
+    """False while ``schema`` is known to lack revision 0004 (see :data:`_NO_QUEUE`)."""
+    return _NO_QUEUE.get((source.key, schema), -1.0) <= time.monotonic()
 
 
 def renew_many(

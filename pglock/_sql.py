@@ -498,6 +498,44 @@ def lease_release(schema: str) -> sql.Composed:
     ).format(sql.Identifier(schema))
 
 
+# Revision 0004 (pglock/sql/0004_lease_queue.up.sql): the waiter queue and direct handoff.
+
+
+def lease_acquire_v4(schema: str) -> sql.Composed:
+    """``lease_acquire``'s parameters and liveness seconds -> its row and waiter_id (not NULL:
+    queued, to be handed the lease)."""
+    return sql.SQL(
+        "SELECT granted, holder, token, acquired_at, expires_at, server_time, waiter_id"
+        " FROM {}.acquire_v4(%s::text, %s::text, %s::float8, %s::jsonb, %s::float8, %s::boolean,"
+        " %s::float8)"
+    ).format(sql.Identifier(schema))
+
+
+def lease_release_v4(schema: str) -> sql.Composed:
+    """(name, holder, token) -> one row: status, notified, and the grant it handed to the first
+    live waiter (next_holder, next_token, next_waiter, next_acquired_at, next_expires_at)."""
+    return sql.SQL(
+        "SELECT status, notified, next_holder, next_token, next_waiter, next_acquired_at,"
+        " next_expires_at FROM {}.release_v4(%s::text, %s::text, %s::bigint)"
+    ).format(sql.Identifier(schema))
+
+
+def lease_wait_v4(schema: str) -> sql.Composed:
+    """(name, holder, waiter_id, liveness) -> one row: state ('waiting', 'granted', 'gone'),
+    ahead, token, acquired_at, expires_at, server_time."""
+    return sql.SQL(
+        "SELECT state, ahead, token, acquired_at, expires_at, server_time"
+        " FROM {}.wait_v4(%s::text, %s::text, %s::bigint, %s::float8)"
+    ).format(sql.Identifier(schema))
+
+
+def lease_leave_v4(schema: str) -> sql.Composed:
+    """(name, holder, waiter_id) -> whether the waiter row was still there."""
+    return sql.SQL("SELECT {}.leave_v4(%s::text, %s::text, %s::bigint)").format(
+        sql.Identifier(schema)
+    )
+
+
 def lease_guard(schema: str) -> sql.Composed:
     """(name, holder, token) -> one boolean; locks the lease row until the transaction ends."""
     return sql.SQL("SELECT {}.guard(%s::text, %s::text, %s::bigint)").format(

@@ -3,6 +3,7 @@ NOTIFY listeners that wake them (docs/how-it-works.md, "Leases and semaphores").
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -11,7 +12,8 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime, timedelta, timezone
+from typing import Any, NamedTuple
 
 import psycopg
 
@@ -51,6 +53,46 @@ class Rows:
     @property
     def log(self) -> logging.Logger:
         return logging.getLogger(f"pglock.{self.user}")
+
+
+class Handed(NamedTuple):
+    """A grant a release (or a takeover) handed to a queued lease waiter of the database."""
+
+    token: int
+    waiter: int
+    acquired_at: datetime
+    expires_at: datetime
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def parse_grant(payload: str) -> tuple[str, str, Handed] | None:
+    """(name, holder, grant) of a handoff NOTIFY (a JSON array that starts with ``"grant"``;
+    revision 0004), or None for a plain name (a release: look again)."""
+    if not payload.startswith('["grant"'):
+        return None
+    try:
+        _, name, holder, token, waiter, acquired_us, expires_us = json.loads(payload)
+        acquired = _EPOCH + timedelta(microseconds=acquired_us)
+        expires = _EPOCH + timedelta(microseconds=expires_us)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    return name, holder, Handed(token, waiter, acquired, expires)
+
+
+class Slot:
+    """A lease waiter of this process queued in the database: the grants handed to it (by
+    waiter id, from a NOTIFY or a local release) and a poke (heartbeat now)."""
+
+    __slots__ = ("cond", "grants", "lined", "poked", "waiter")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.cond = threading.Condition(lock)  # also its ticket in the name's process queue
+        self.grants: dict[int, Handed] = {}
+        self.poked = False
+        self.lined = False
+        self.waiter: int | None = None
 
 
 class _Queue:
@@ -146,6 +188,70 @@ class _Waiters:
         self.listeners: dict[Key, _Listener] = {}
         self.listener_create = threading.Lock()
         self.rng = random.Random()
+        #: Waiters queued in the database, by queue key and holder id.
+        self.slots: dict[Key, dict[str, Slot]] = {}
+
+    def expect(self, key: Key, holder: str) -> Slot:
+        """A slot for the grants handed to ``holder`` waiting for the name of ``key``."""
+        with self.lock:
+            slot = self.slots.setdefault(key, {}).setdefault(holder, Slot(self.lock))
+            self.waiting[key[:3]] += 1
+            return slot
+
+    def line_up(self, key: Key, slot: Slot) -> None:
+        """Once queued in the database, ``slot`` also takes its place in the name's process
+        queue (the process's waiters of a name, in order: what inspection shows)."""
+        with self.lock:
+            if not slot.lined:
+                owners = self.queues.setdefault(key, {})
+                (owners.get(None) or owners.setdefault(None, _Queue())).tickets.append(slot.cond)
+                slot.lined = True
+
+    def unexpect(self, key: Key, holder: str) -> None:
+        with self.lock:
+            slots = self.slots.get(key, {})
+            if (slot := slots.pop(holder, None)) is not None:
+                self.waiting[key[:3]] -= 1
+                if not self.waiting[key[:3]]:
+                    del self.waiting[key[:3]]
+            if not slots:
+                self.slots.pop(key, None)
+            q = self.queues.get(key, {}).get(None)
+            if slot is not None and slot.lined and q is not None:
+                q.tickets.remove(slot.cond)
+                if not q.tickets:
+                    del self.queues[key][None]
+                    if not self.queues[key]:
+                        del self.queues[key]
+
+    def deliver(self, key: Key, holder: str, grant: Handed) -> None:
+        """A grant handed to ``holder`` on the name of ``key``: its waiter, if here, takes it."""
+        with self.lock:
+            if (slot := self.slots.get(key, {}).get(holder)) is not None:
+                slot.grants[grant.waiter] = grant
+                slot.cond.notify()
+
+    def await_grant(
+        self, slot: Slot, waiter: int, until: float, closed: Closed
+    ) -> Handed | None:
+        """The grant handed to ``waiter``, or None once ``until`` passes, a poke or close()."""
+        with self.lock:
+            slot.waiter = waiter
+            while (
+                waiter not in slot.grants and not slot.poked and not closed()
+                and (left := until - time.monotonic()) > 0
+            ):
+                slot.cond.wait(left)
+            slot.poked = False
+            return slot.grants.pop(waiter, None)
+
+    def _poke(self, lkey: Key, name: str | None) -> None:
+        """With the lock held: the queued waiters of ``name`` (None: every name) heartbeat now."""
+        for key, slots in self.slots.items():
+            if key[:3] == lkey and (name is None or key[3] == name):
+                for slot in slots.values():
+                    slot.poked = True
+                    slot.cond.notify()
 
     def enqueue(self, key: Key, owner: object) -> tuple[_Queue, Ticket]:
         with self.lock:
@@ -191,13 +297,18 @@ class _Waiters:
                 ticket.wait(left)
             return q.version != seen
 
-    def on_notify(self, lkey: Key, name: str) -> None:
+    def on_notify(self, lkey: Key, payload: str) -> None:
+        if (grant := parse_grant(payload)) is not None:
+            self.deliver((*lkey, grant[0]), grant[1], grant[2])
+            return
         with self.lock:
-            for q in self.queues.get((*lkey, name), {}).values():
+            for q in self.queues.get((*lkey, payload), {}).values():
                 q.wake_head()
+            self._poke(lkey, payload)
 
     def wake_all(self, lkey: Key) -> None:
         with self.lock:
+            self._poke(lkey, None)
             for q in [q for k, qs in self.queues.items() if k[:3] == lkey for q in qs.values()]:
                 q.wake_head()
 
@@ -320,6 +431,9 @@ def wake(key: Key | None, owner: object, *, head: bool = False) -> None:
     """Wake every waiter of the queue ``key`` of ``owner`` now (a close(): each asks whether it
     is closed), or with ``head`` its head, which looks again at once (a local release)."""
     with waiters.lock:
+        if key is not None and not head:
+            for slot in waiters.slots.get(key, {}).values():
+                slot.cond.notify()
         if key is None or (q := waiters.queues.get(key, {}).get(owner)) is None:
             return
         if head:
@@ -327,6 +441,13 @@ def wake(key: Key | None, owner: object, *, head: bool = False) -> None:
         else:
             for ticket in q.tickets:
                 ticket.notify()
+
+
+def listen(rows: Rows, source: Source, schema: str, deadline: float | None) -> None:
+    """Make sure the (source, schema) listener of ``rows`` runs (before a waiter queues in the
+    database, so that the NOTIFY of its grant cannot pass unheard); if it cannot, the
+    waiters learn of grants from their heartbeats."""
+    waiters.listener(rows, source, schema, listen_deadline(deadline))
 
 
 def _listen(
