@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import threading
@@ -387,10 +388,11 @@ class QueueWaiter:
     """A lease waiter in a thread of this process, logging what it believes to a history file.
 
     Events (JSON lines, monotonic ``t``, flushed per line so a SIGKILL loses nothing):
-    ``invoke`` (acquire sent), ``granted`` (acquire returned True, with ``token``), ``refused``
-    (it returned False), ``error``, ``believes`` / ``doubts`` (a 2 ms poller of ``locked``,
-    with the token), ``on_lost``, ``release`` (about to call release()), ``released`` or
-    ``release_error``. With ``hold`` set it releases by itself that long after its grant."""
+    ``invoke`` (acquire sent; ``wait`` is its timeout), ``granted`` (acquire returned True,
+    with ``token``), ``refused`` (it returned False), ``error``, ``believes`` / ``doubts`` (a
+    2 ms poller of ``locked``, with the token and the client deadline), ``on_lost``,
+    ``release`` (about to call release()), ``released`` or ``release_error``. With ``hold``
+    set it releases by itself that long after its grant."""
 
     def __init__(self, req: dict[str, Any], hist: Any, out_lock: threading.Lock) -> None:
         self.req = req
@@ -420,12 +422,21 @@ class QueueWaiter:
         import time
 
         self.log("invoke")
-        try:
-            ok = self.lease.acquire(timeout=self.req.get("timeout"))
-        except Exception as exc:
-            self.log("error", error=type(exc).__name__, message=str(exc))
-            self.done.set()
-            return
+        # ``retry``: what an application does when the server went away (a restart): acquire
+        # again with the same handle, until the wait's own deadline.
+        wait = self.req.get("wait")
+        until = None if wait is None else time.monotonic() + wait
+        while True:
+            try:
+                left = None if until is None else max(0.0, until - time.monotonic())
+                ok = self.lease.acquire(timeout=left)
+                break
+            except Exception as exc:
+                self.log("error", error=type(exc).__name__, message=str(exc))
+                if not (self.req.get("retry") and isinstance(exc, psycopg.OperationalError)):
+                    self.done.set()
+                    return
+                time.sleep(0.1)
         if not ok:
             self.log("refused")
             self.done.set()
@@ -443,7 +454,9 @@ class QueueWaiter:
         while not self.done.is_set() or was:
             now = bool(self.lease.locked)
             if now != was:
-                self.log("believes" if now else "doubts", token=self.lease.token)
+                deadline = self.lease._deadline  # the client's own deadline (monotonic)
+                self.log("believes" if now else "doubts", token=self.lease.token,
+                         deadline=deadline if math.isfinite(deadline) else None)
                 was = now
             time.sleep(0.002)
 
