@@ -379,20 +379,22 @@ class Grant:
 
     holder: str
     token: int
-    acquired_at: Any
-    expires_at: Any  # the last expiry it was given (extends move it)
+    acquired_at: float
+    expires_at: float  # the last expiry it was given (extends move it)
     made_by: int  # the audit row that made it
-    ended_at: Any = None  # when its row was deleted or given to another token
+    ended_at: float | None = None  # when its row was deleted or given to another token
     ended_by: str | None = None  # the application_name of the session that did it
     ended_in: int | None = None  # the audit row that ended it
 
 
 def lease_grants(conn: psycopg.Connection[Any], name: str) -> list[Grant]:
-    """The grants of ``name`` in the order they were made (token 0 is an acquire's
-    placeholder before its token is drawn: not a grant). Changes of one row are serialized by
+    """The grants of ``name`` in the order they were made (token 0 is a placeholder row before
+    a token is drawn: not a grant). Times are seconds since the epoch on the database clock
+    (floats: a placeholder's ``-infinity`` too). Changes of one row are serialized by
     its row lock, so the audit ids of one name follow the commit order."""
     rows = conn.execute(
-        "SELECT id, op, old_token, new_holder, new_token, new_acquired_at, new_expires_at, app, at"
+        "SELECT id, op, old_token, new_holder, new_token, extract(epoch FROM new_acquired_at)"
+        "::float8, extract(epoch FROM new_expires_at)::float8, app, extract(epoch FROM at)::float8"
         " FROM public.pglock_lease_audit WHERE name = %s ORDER BY id",
         (name,),
     ).fetchall()
