@@ -59,7 +59,14 @@ from pglock import _schema
 from .cluster import Cluster
 from .conftest import Bounds
 from .linearizability import Op, check
-from .oracles import Oracle, grant_violations, install_lease_audit, lease_grants, wait_for
+from .oracles import (
+    Grant,
+    Oracle,
+    grant_violations,
+    install_lease_audit,
+    lease_grants,
+    wait_for,
+)
 from .procs import Holder
 from .proxy import Proxy
 
@@ -243,6 +250,19 @@ def lease_row(obs: psycopg.Connection[Any], name: str) -> tuple[Any, ...] | None
     return obs.execute(
         "SELECT holder, token FROM pglock.lease WHERE name = %s", (name,)
     ).fetchone()
+
+
+def test_grant_history_oracle_negative_controls() -> None:
+    """The grant-history oracle on hand-made histories: it finds what it must (no database)."""
+    app = lambda holder: holder.split("#")[0]  # noqa: E731
+    fine = [Grant("a#1", 1, 0.0, 10.0, 1, 3.0, "a", 2), Grant("b#1", 2, 3.0, 9.0, 2)]
+    assert grant_violations(fine, app) == []  # a's release handed it to b in one update
+    taken = [Grant("a#1", 1, 0.0, 10.0, 1, 5.0, "b", 2), Grant("b#1", 2, 4.0, 9.0, 3)]
+    assert len(grant_violations(taken, app)) == 2  # b ended a's live grant and overlapped it
+    expired = [Grant("a#1", 1, 0.0, 4.0, 1, 5.0, "b", 2), Grant("b#1", 2, 5.0, 9.0, 3)]
+    assert grant_violations(expired, app) == []  # a takeover after the expiry
+    back = [Grant("a#1", 5, 0.0, 1.0, 1), Grant("b#1", 4, 2.0, 3.0, 2)]
+    assert grant_violations(back, app) == ["token went back or repeated: 5 then 4"]
 
 
 # --- T30 -----------------------------------------------------------------------------------
