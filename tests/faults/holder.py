@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 import threading
@@ -380,6 +381,160 @@ def candidate(req: dict[str, Any]) -> Any:
     return election
 
 
+# --- issue 13: queued lease waiters (test_lease_queue.py) -----------------------------------
+
+
+class QueueWaiter:
+    """A lease waiter in a thread of this process, logging what it believes to a history file.
+
+    Events (JSON lines, monotonic ``t``, flushed per line so a SIGKILL loses nothing):
+    ``invoke`` (acquire sent; ``wait`` is its timeout), ``granted`` (acquire returned True,
+    with ``token``), ``refused`` (it returned False), ``error``, ``believes`` / ``doubts`` (a
+    2 ms poller of ``locked``, with the token and the client deadline), ``on_lost``,
+    ``release`` (about to call release()), ``released`` or ``release_error``. With ``hold``
+    set it releases by itself that long after its grant."""
+
+    def __init__(self, req: dict[str, Any], hist: Any, out_lock: threading.Lock) -> None:
+        self.req = req
+        self.hist = hist
+        self.out_lock = out_lock
+        self.done = threading.Event()
+        self.lease = pglock.lease(  # type: ignore[attr-defined]
+            req["source"],
+            req["name"],
+            ttl=req.get("ttl", 30),
+            holder=req["holder"],
+            keepalive=req.get("keepalive", True),
+            on_lost=lambda _lease: self.log("on_lost"),
+        )
+        threading.Thread(target=self._run, daemon=True).start()
+        threading.Thread(target=self._poll, daemon=True).start()
+
+    def log(self, ev: str, **kw: Any) -> None:
+        import time
+
+        kw.update(ev=ev, t=time.monotonic(), holder=self.req["holder"])
+        with self.out_lock:
+            self.hist.write(json.dumps(kw, default=str) + "\n")
+            self.hist.flush()
+
+    def _run(self) -> None:
+        import time
+
+        self.log("invoke")
+        # ``retry``: what an application does when the server went away (a restart): acquire
+        # again with the same handle, until the wait's own deadline.
+        wait = self.req.get("wait")
+        until = None if wait is None else time.monotonic() + wait
+        while True:
+            try:
+                left = None if until is None else max(0.0, until - time.monotonic())
+                ok = self.lease.acquire(timeout=left)
+                break
+            except Exception as exc:
+                self.log("error", error=type(exc).__name__, message=str(exc))
+                if not (self.req.get("retry") and isinstance(exc, psycopg.OperationalError)):
+                    self.done.set()
+                    return
+                time.sleep(0.1)
+        if not ok:
+            self.log("refused")
+            self.done.set()
+            return
+        self.log("granted", token=self.lease.token, acquired_at=self.lease.acquired_at)
+        if self.req.get("hold") is not None:
+            time.sleep(self.req["hold"])
+            self.release()
+        self.done.set()
+
+    def _poll(self) -> None:
+        import time
+
+        was = False
+        while not self.done.is_set() or was:
+            now = bool(self.lease.locked)
+            if now != was:
+                deadline = self.lease._deadline  # the client's own deadline (monotonic)
+                self.log("believes" if now else "doubts", token=self.lease.token,
+                         deadline=deadline if math.isfinite(deadline) else None)
+                was = now
+            time.sleep(0.002)
+
+    def release(self) -> dict[str, Any]:
+        self.log("release", token=self.lease.token)
+        try:
+            self.lease.release()
+        except Exception as exc:
+            self.log("release_error", error=type(exc).__name__)
+            return error_reply(exc)
+        self.log("released")
+        return {"ok": True}
+
+
+def lease_soak(req: dict[str, Any]) -> dict[str, Any]:
+    """The T27 loop on queued leases: acquire (timeouts of ``req["timeouts"]``, queued when not
+    0), a critical section in one transaction fenced by ``guard()`` on a connection of its own,
+    release; history events as :func:`soak` writes them. A section whose guard or commit fails
+    is not acknowledged (it was rolled back, or its outcome is unknown)."""
+    import random
+    import time
+
+    rng = random.Random(req["seed"])
+    deadline = time.monotonic() + req["seconds"]
+    names: list[str] = req["names"]
+    oracles = {n: Oracle(p) for n, p in zip(names, req["oracles"], strict=True)}
+    hist = open(req["history"], "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+    p = f"{os.getpid()}"
+    seq = 0
+    conn: psycopg.Connection[Any] | None = None
+
+    def log(**ev: Any) -> None:
+        ev["t"] = time.monotonic()
+        hist.write(json.dumps(ev) + "\n")
+
+    while time.monotonic() < deadline:
+        if conn is None or conn.closed or conn.broken:
+            conn = _soak_connect(req)
+            if conn is None:
+                time.sleep(0.05)
+                continue
+        name = rng.choice(names)
+        seq += 1
+        op_id = f"{p}:{seq}"
+        lease = pglock.lease(  # type: ignore[attr-defined]
+            req["source"], name, ttl=req["ttl"], holder=f"{req['app']}#{op_id}"
+        )
+        log(p=p, name=name, f="acquire", ev="invoke")
+        try:
+            ok = lease.acquire(timeout=rng.choice(req["timeouts"]))
+        except Exception as exc:
+            log(p=p, name=name, f="acquire", ev="info", error=type(exc).__name__,
+                message=str(exc)[:200])
+            time.sleep(0.05)  # the server is away (restart): do not pile up unknown outcomes
+            continue
+        log(p=p, name=name, f="acquire", ev="ok" if ok else "fail", op=op_id)
+        if not ok:
+            continue
+        section_ok = False
+        try:
+            with conn.transaction():
+                lease.guard(conn)
+                oracles[name].section(conn, p, op_id, lease.token, 0.004)
+            section_ok = True
+        except Exception:
+            if conn.closed or conn.broken:
+                conn = None
+        log(p=p, name=name, f="release", ev="invoke")
+        try:
+            lease.release()
+            log(p=p, name=name, f="release", ev="ok", op=op_id, acked=section_ok)
+        except Exception as exc:
+            # Lost (expired, taken over) or no answer: released at some time since the acquire.
+            log(p=p, name=name, f="release", ev="lost", op=op_id, error=type(exc).__name__)
+    hist.close()
+    return {"ok": True, "ops": seq}
+
+
 # --- the request loop ---------------------------------------------------------------------------
 
 
@@ -389,6 +544,9 @@ class Holder:
         self.locks: dict[str, Any] = {}
         self.workload: Workload | None = None
         self.stack = contextlib.ExitStack()
+        self.waiters: dict[str, QueueWaiter] = {}
+        self.history: Any = None
+        self.history_lock = threading.Lock()
 
     def handle(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req["op"]
@@ -513,6 +671,18 @@ class Holder:
     def _ping(self, req: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True}
 
+    def _queue_wait(self, req: dict[str, Any]) -> dict[str, Any]:
+        if self.history is None:
+            self.history = open(req["history"], "a", encoding="utf-8")  # noqa: SIM115
+        self.waiters[req["holder"]] = QueueWaiter(req, self.history, self.history_lock)
+        return {"ok": True}
+
+    def _queue_release(self, req: dict[str, Any]) -> dict[str, Any]:
+        return self.waiters[req["holder"]].release()
+
+    def _lease_soak(self, req: dict[str, Any]) -> dict[str, Any]:
+        return lease_soak(req)
+
     OPS: ClassVar[dict[str, Callable[[Holder, dict[str, Any]], dict[str, Any]]]] = {
         "connect": _connect,
         "lock": _lock,
@@ -525,6 +695,9 @@ class Holder:
         "candidate": _candidate,
         "soak": _soak,
         "ping": _ping,
+        "queue_wait": _queue_wait,
+        "queue_release": _queue_release,
+        "lease_soak": _lease_soak,
     }
 
 

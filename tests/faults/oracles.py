@@ -327,3 +327,114 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+# --- lease grant history (issue 13: the lease waiter queue) ----------------------------------
+
+_LEASE_AUDIT = """
+CREATE TABLE IF NOT EXISTS public.pglock_lease_audit (
+    id bigserial PRIMARY KEY,
+    op text NOT NULL,
+    name text NOT NULL,
+    old_holder text, old_token bigint, old_expires_at timestamptz,
+    new_holder text, new_token bigint, new_acquired_at timestamptz, new_expires_at timestamptz,
+    app text NOT NULL,
+    at timestamptz NOT NULL
+);
+CREATE OR REPLACE FUNCTION public.pglock_lease_audit_row() RETURNS trigger
+LANGUAGE plpgsql AS $a$
+BEGIN
+    INSERT INTO public.pglock_lease_audit (op, name, old_holder, old_token, old_expires_at,
+        new_holder, new_token, new_acquired_at, new_expires_at, app, at)
+    VALUES (TG_OP, coalesce(NEW.name, OLD.name),
+        CASE WHEN TG_OP <> 'INSERT' THEN OLD.holder END,
+        CASE WHEN TG_OP <> 'INSERT' THEN OLD.token END,
+        CASE WHEN TG_OP <> 'INSERT' THEN OLD.expires_at END,
+        CASE WHEN TG_OP <> 'DELETE' THEN NEW.holder END,
+        CASE WHEN TG_OP <> 'DELETE' THEN NEW.token END,
+        CASE WHEN TG_OP <> 'DELETE' THEN NEW.acquired_at END,
+        CASE WHEN TG_OP <> 'DELETE' THEN NEW.expires_at END,
+        current_setting('application_name'), clock_timestamp());
+    RETURN NULL;
+END
+$a$;
+"""
+
+
+def install_lease_audit(conn: psycopg.Connection[Any], schema: str = "pglock") -> None:
+    """Log every change of ``{schema}.lease`` rows (a test cluster only): who changed a grant,
+    when on the database clock, from what to what. Idempotent."""
+    conn.execute(_LEASE_AUDIT)
+    conn.execute(
+        sql.SQL(
+            "CREATE OR REPLACE TRIGGER pglock_lease_audit AFTER INSERT OR UPDATE OR DELETE"
+            " ON {}.lease FOR EACH ROW EXECUTE FUNCTION public.pglock_lease_audit_row()"
+        ).format(sql.Identifier(schema))
+    )
+
+
+@dataclass
+class Grant:
+    """One grant of a lease (one token) as the audit log saw it."""
+
+    holder: str
+    token: int
+    acquired_at: float
+    expires_at: float  # the last expiry it was given (extends move it)
+    made_by: int  # the audit row that made it
+    ended_at: float | None = None  # when its row was deleted or given to another token
+    ended_by: str | None = None  # the application_name of the session that did it
+    ended_in: int | None = None  # the audit row that ended it
+
+
+def lease_grants(conn: psycopg.Connection[Any], name: str) -> list[Grant]:
+    """The grants of ``name`` in the order they were made (token 0 is a placeholder row before
+    a token is drawn: not a grant). Times are seconds since the epoch on the database clock
+    (floats: a placeholder's ``-infinity`` too). Changes of one row are serialized by
+    its row lock, so the audit ids of one name follow the commit order."""
+    rows = conn.execute(
+        "SELECT id, op, old_token, new_holder, new_token, extract(epoch FROM new_acquired_at)"
+        "::float8, extract(epoch FROM new_expires_at)::float8, app, extract(epoch FROM at)::float8"
+        " FROM public.pglock_lease_audit WHERE name = %s ORDER BY id",
+        (name,),
+    ).fetchall()
+    grants: list[Grant] = []
+    for audit_id, op, old_token, holder, token, acquired, expires, app, at in rows:
+        current = grants[-1] if grants and grants[-1].ended_at is None else None
+        ends = op == "DELETE" or token != old_token
+        if current is not None and current.token == old_token and ends:
+            current.ended_at, current.ended_by, current.ended_in = at, app, audit_id
+            current = None
+        if op == "DELETE" or not token:
+            continue
+        if current is not None and current.token == token:
+            current.expires_at = expires  # an extend (or a re-acquire) of the same grant
+        else:
+            grants.append(Grant(holder, token, acquired, expires, audit_id))
+    return grants
+
+
+def grant_violations(grants: list[Grant], app_of: Callable[[str], str]) -> list[str]:
+    """What breaks "at most one unexpired lease per name at any instant of the database clock"
+    and "strictly increasing tokens" in a grant history. A grant may end before its expiry
+    only by its own holder's process (a release, maybe handing it to the next waiter in the
+    same statement); ended by anyone else, it must have expired first. The next grant starts
+    no earlier than the end or the expiry of the previous one, unless one row update did both
+    (an atomic handoff). ``app_of(holder)`` is the application_name of the holder's process."""
+    out: list[str] = []
+    for a, b in itertools.pairwise(grants):
+        if not a.token < b.token:
+            out.append(f"token went back or repeated: {a.token} then {b.token}")
+        if a.ended_in == b.made_by:
+            continue
+        end = a.expires_at if a.ended_at is None else min(a.expires_at, a.ended_at)
+        if b.acquired_at < end:
+            out.append(f"grant {b.token} made at {b.acquired_at} while {a.token} was live")
+    for g in grants:
+        early = g.ended_at is not None and g.ended_at < g.expires_at
+        if early and g.ended_by != app_of(g.holder):
+            out.append(
+                f"grant {g.token} of {g.holder!r} ended at {g.ended_at} by {g.ended_by!r}, "
+                f"before its expiry {g.expires_at}"
+            )
+    return out
