@@ -53,6 +53,8 @@ class Settings:
     # F: waiters on one lease (in this process; and spread over that many processes)
     waiters: int
     waiter_procs: int
+    # H: cycles per contender whose WAL flushes are counted
+    wal_cycles: int
 
     @classmethod
     def full(cls) -> Settings:
@@ -74,6 +76,7 @@ class Settings:
             acquires_per_block=50,
             waiters=50,
             waiter_procs=10,
+            wal_cycles=500,
         )
 
     @classmethod
@@ -96,6 +99,7 @@ class Settings:
             acquires_per_block=5,
             waiters=4,
             waiter_procs=2,
+            wal_cycles=30,
         )
 
 
