@@ -127,13 +127,20 @@ class Lease(Adapter):
         return {key: r}
 
 
+def _accepts_durable() -> bool:
+    """Does pglock.lease take ``durable=``? (Its options are a TypedDict behind ``**options``,
+    so ask the constructor, which sends nothing.)"""
+    try:
+        _pglock.lease("postgresql://127.0.0.1/bench", "bench:probe", durable=False)
+    except TypeError:
+        return False
+    return True
+
+
 def lease_adapters() -> list[Adapter]:
     """The lease adapter, plus a non-durable variant if pglock documents one."""
-    import inspect
-
     out: list[Adapter] = [Lease()]
-    params = inspect.signature(_pglock.lease).parameters
-    if "durable" in params:
+    if _accepts_durable():
         fast = Lease(durable=False)
         fast.key, fast.label = "lease-nondurable", "pglock.lease (durable=False)"
         out[0].label = "pglock.lease (durable)"
