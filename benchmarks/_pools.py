@@ -98,10 +98,14 @@ def workload_g(ctx: Context) -> dict[str, Any]:
             floor="checkout+raw",
             pairs=[("pool_lock (tx pool)", "checkout+raw (tx pool)")],
         )
-        for key, f in cycles.items():
+        for (key, f), pool in zip(cycles.items(), pools.values(), strict=True):
             if "error" not in res[key]:
-                res[key]["round_trips"] = count_round_trips(f)
+                # The pool's one connection, traced by libpq: exact, whatever pglock calls.
+                conn = pool.getconn()
+                pool.putconn(conn)
+                res[key]["round_trips"] = count_round_trips(f, conns=[conn])
     out["cycles"] = res
+    out["round_trips_counted_by"] = "libpq trace"
     floor = "checkout+raw"
     out["floor"] = floor
 

@@ -191,10 +191,13 @@ def test_counters_count_round_trips(bench_ctx: Any) -> None:
             conn.execute("SELECT 1")
             with conn.transaction():  # BEGIN and COMMIT are round trips too
                 conn.execute("SELECT 1; SELECT 2")  # one batch, one round trip
-        assert counter.total == 4
-        assert sum(counter.snapshot().values()) == 4 and len(counter.stamps()) == 4
+            # What pglock's cancellable statements do: drive the cursor's generator directly.
+            cur = conn.cursor()
+            conn.wait(cur._execute_gen("SELECT 1", None))
+        assert counter.total == 5
+        assert sum(counter.snapshot().values()) == 5 and len(counter.stamps()) == 5
         conn.execute("SELECT 1")  # not counted once the counter is closed
-        assert counter.total == 4
+        assert counter.total == 5
 
         with trace_round_trips([conn]) as count:
             conn.execute("SELECT 1")
