@@ -44,9 +44,9 @@ def _a(w: dict[str, Any]) -> list[dict[str, Any]]:
     p, pl, raw = a.get("pglock") or {}, a.get("postgresql-lock") or {}, a.get("raw") or {}
     r, rp = p.get("ratio"), pl.get("ratio")
     direct = _get(p, "vs", "postgresql-lock", "ratio")
-    # postgresql-lock sends exactly the floor's statements: it shows whether the floor's own
-    # blocks ran at their usual speed in this run.
-    check = f"; floor check: postgresql-lock (same SQL) {rp}x the floor" if rp else ""
+    # postgresql-lock sends the floor's statements (the key as a literal, not a parameter): it
+    # shows whether the floor's own blocks ran at their usual speed in this run.
+    check = f"; floor check: postgresql-lock (same statements) {rp}x the floor" if rp else ""
     rows = [
         _row(
             "A:floor",
