@@ -53,6 +53,8 @@ class Settings:
     # F: waiters on one lease (in this process; and spread over that many processes)
     waiters: int
     waiter_procs: int
+    # H: cycles per contender whose WAL flushes are counted
+    wal_cycles: int
 
     @classmethod
     def full(cls) -> Settings:
@@ -74,6 +76,7 @@ class Settings:
             acquires_per_block=50,
             waiters=50,
             waiter_procs=10,
+            wal_cycles=500,
         )
 
     @classmethod
@@ -96,6 +99,7 @@ class Settings:
             acquires_per_block=5,
             waiters=4,
             waiter_procs=2,
+            wal_cycles=30,
         )
 
 
@@ -181,11 +185,13 @@ def rnd(x: float, digits: int = 3) -> float | None:
 class StatementCounter:
     """Counts the round trips psycopg sends, per thread, while active.
 
-    It wraps ``Cursor.execute``/``executemany`` and the connection's internal command path
-    (``BEGIN``, ``COMMIT``, ``ROLLBACK``, savepoints): one call is one round trip to the server,
-    whatever the connection (the caller's, a pool's, one that a library opened itself). A
-    ``;``-joined batch counts once, as it travels once. Only for counting passes: the wrappers
-    cost a little time, so timed passes never run under it.
+    It wraps the cursor's execute generator (what ``Cursor.execute`` runs, and what a caller
+    that drives psycopg's generators itself runs, as pglock's cancellable statements do),
+    ``executemany`` and the connection's internal command path (``BEGIN``, ``COMMIT``,
+    ``ROLLBACK``, savepoints): one call is one round trip to the server, whatever the connection
+    (the caller's, a pool's, one that a library opened itself). A ``;``-joined batch counts
+    once, as it travels once. Only for counting passes: the wrappers cost a little time, so
+    timed passes never run under it.
     """
 
     def __init__(self) -> None:
@@ -216,7 +222,7 @@ class StatementCounter:
             return Counter(self.by_thread)
 
     def __enter__(self) -> StatementCounter:
-        from psycopg import _connection_base
+        from psycopg import _connection_base, _cursor_base
 
         bump = self._bump
 
@@ -231,7 +237,7 @@ class StatementCounter:
             self._saved.append((owner, attr, orig))
             setattr(owner, attr, counted)
 
-        wrap(psycopg.Cursor, "execute")
+        wrap(_cursor_base.BaseCursor, "_execute_gen")
         wrap(psycopg.Cursor, "executemany")
         wrap(_connection_base.BaseConnection, "_exec_command")
         return self

@@ -8,10 +8,12 @@ Linux and so comparable between processes of one machine.
     python -m benchmarks._lease_waiter handoff --dsn DSN --name NAME --app APP [--nondurable]
         for every "go" line on stdin: print "waiting", acquire (blocking), print the time it
         got the lease, release. Ends at EOF.
-    python -m benchmarks._lease_waiter crowd --dsn DSN --name NAME --app APP --threads K
-        K threads each wait for the lease once; prints "ready" when all of them have called
-        pglock.lease and the process has gone quiet, then at the end one JSON line with the
-        acquisition times and the times of every round trip the process sent.
+    python -m benchmarks._lease_waiter line --dsn DSN --name NAME --app APP
+        prints "ready"; for every "wait ID" line starts a thread that waits for the lease once
+        and prints "started ID"; for "quiet" prints "quiet" once the process has sent nothing
+        for 0.3 s; at EOF, when every waiter is done, one JSON line: per waiter its ID, the
+        token it was granted and the time it got the lease, plus the times of every round
+        trip the process sent.
 """
 
 from __future__ import annotations
@@ -56,38 +58,46 @@ def handoff(args: argparse.Namespace) -> None:
         pool.close()
 
 
-def crowd(args: argparse.Namespace) -> None:
-    pool = _pool(args.dsn, args.app, 4)
-    got: list[float] = []
-    errors: list[str] = []
-    entered = threading.Barrier(args.threads + 1, timeout=60)
+def _until_quiet(counter: StatementCounter, quiet: float = 0.3, limit: float = 20.0) -> None:
+    """Return once the process has sent nothing for ``quiet`` seconds (bounded)."""
+    quiet_since, last = time.monotonic(), counter.total
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        if counter.total != last:
+            quiet_since, last = time.monotonic(), counter.total
+        elif time.monotonic() - quiet_since >= quiet:
+            return
 
-    def waiter() -> None:
+
+def line(args: argparse.Namespace) -> None:
+    pool = _pool(args.dsn, args.app, 4)
+    got: list[tuple[int, int | None, float]] = []
+    errors: list[str] = []
+    threads: list[threading.Thread] = []
+
+    def waiter(ident: int) -> None:
         try:
-            entered.wait()
-            with _pglock.lease(pool, args.name, ttl=30, timeout=120):
-                got.append(time.perf_counter())
+            with _pglock.lease(pool, args.name, ttl=30, timeout=120) as lease:
+                got.append((ident, lease.token, time.perf_counter()))
         except Exception as exc:
-            errors.append(repr(exc))
+            errors.append(f"waiter {ident}: {exc!r}")
 
     try:
         with StatementCounter() as counter:
-            threads = [
-                threading.Thread(target=waiter, name=f"bench-F-child-{i}", daemon=True)
-                for i in range(args.threads)
-            ]
-            for t in threads:
-                t.start()
-            entered.wait()
-            quiet_since, last = time.monotonic(), counter.total
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:  # gone quiet: every waiter is waiting
-                time.sleep(0.02)
-                if counter.total != last:
-                    quiet_since, last = time.monotonic(), counter.total
-                elif time.monotonic() - quiet_since >= 0.3:
-                    break
             print("ready", flush=True)
+            for cmd in sys.stdin:
+                word, _, arg = cmd.strip().partition(" ")
+                if word == "wait":
+                    t = threading.Thread(
+                        target=waiter, args=(int(arg),), name=f"bench-F-{arg}", daemon=True
+                    )
+                    t.start()
+                    threads.append(t)
+                    print(f"started {arg}", flush=True)
+                elif word == "quiet":
+                    _until_quiet(counter)
+                    print("quiet", flush=True)
             for t in threads:
                 t.join(timeout=150)
             stamps = counter.stamps()
@@ -98,14 +108,13 @@ def crowd(args: argparse.Namespace) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks._lease_waiter")
-    p.add_argument("mode", choices=["handoff", "crowd"])
+    p.add_argument("mode", choices=["handoff", "line"])
     p.add_argument("--dsn", required=True)
     p.add_argument("--name", required=True)
     p.add_argument("--app", required=True)
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--nondurable", action="store_true")
     args = p.parse_args()
-    (handoff if args.mode == "handoff" else crowd)(args)
+    (handoff if args.mode == "handoff" else line)(args)
 
 
 if __name__ == "__main__":

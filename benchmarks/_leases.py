@@ -19,7 +19,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from ._common import (
     rnd,
     scratch_database,
     thread_cpu_seconds,
+    wait_until,
 )
 
 LEASE_SCHEMA = "pglock"
@@ -125,13 +127,20 @@ class Lease(Adapter):
         return {key: r}
 
 
+def _accepts_durable() -> bool:
+    """Does pglock.lease take ``durable=``? (Its options are a TypedDict behind ``**options``,
+    so ask the constructor, which sends nothing.)"""
+    try:
+        _pglock.lease("postgresql://127.0.0.1/bench", "bench:probe", durable=False)
+    except TypeError:
+        return False
+    return True
+
+
 def lease_adapters() -> list[Adapter]:
     """The lease adapter, plus a non-durable variant if pglock documents one."""
-    import inspect
-
     out: list[Adapter] = [Lease()]
-    params = inspect.signature(_pglock.lease).parameters
-    if "durable" in params:
+    if _accepts_durable():
         fast = Lease(durable=False)
         fast.key, fast.label = "lease-nondurable", "pglock.lease (durable=False)"
         out[0].label = "pglock.lease (durable)"
@@ -495,6 +504,11 @@ class _Child:
         self._err.seek(0)
         return self._err.read().decode(errors="replace")[-500:]
 
+    def end_input(self) -> None:
+        """Close the child's stdin: it finishes and prints its report."""
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+
     def close(self, timeout: float = 30) -> None:
         with contextlib.suppress(Exception):
             if self.proc.stdin is not None:
@@ -540,12 +554,85 @@ def handoff_cross_process(ctx: Context, rounds: int, *, durable: bool) -> dict[s
     }
 
 
+#: H1's waiter queue (revision 0004): a row per waiting lease, read here only to confirm that
+#: each waiter has joined the queue before the next one starts (so arrival order is known).
+QUEUE_TABLE = "lease_waiter"
+
+
+def queue_probe(conn: psycopg.Connection[Any], name: str) -> Callable[[], int] | None:
+    """A function counting the waiters queued on ``name`` (all waiters, if the queue table has
+    no name column), or None while pglock has no waiter queue in the database."""
+    row = conn.execute("SELECT to_regclass(%s)", (f"{LEASE_SCHEMA}.{QUEUE_TABLE}",)).fetchone()
+    if not row or row[0] is None:
+        return None
+    cols = {
+        r[0]
+        for r in conn.execute(
+            "SELECT column_name FROM information_schema.columns"
+            " WHERE table_schema = %s AND table_name = %s",
+            (LEASE_SCHEMA, QUEUE_TABLE),
+        )
+    }
+    table = sql.Identifier(LEASE_SCHEMA, QUEUE_TABLE)
+    col = next((c for c in ("name", "lease_name") if c in cols), None)
+    params: tuple[str, ...] = ()
+    if col is None:
+        query = sql.SQL("SELECT count(*) FROM {}").format(table)
+    else:
+        query = sql.SQL("SELECT count(*) FROM {} WHERE {} = %s").format(table, sql.Identifier(col))
+        params = (name,)
+
+    def count() -> int:
+        got = conn.execute(query, params).fetchone()
+        return int(got[0]) if got else 0
+
+    return count
+
+
+def _at_least(count: Callable[[], int], n: int) -> bool:
+    return count() >= n
+
+
+def _line_up(children: list[_Child], total: int, queued: Callable[[], int] | None) -> None:
+    """Start waiter 0, 1, ... in turn, round-robin over the processes; with a queue table,
+    each one must show up in it before the next starts. Without one, every process is left to
+    go quiet (its waiters are all waiting) instead."""
+    for i in range(total):
+        child = children[i % len(children)]
+        child.send(f"wait {i}")
+        if child.readline(30) != f"started {i}":
+            raise RuntimeError("unexpected answer from a lease waiter")
+        if queued is not None and not wait_until(partial(_at_least, queued, i + 1), 10, 0.002):
+            raise RuntimeError(f"waiter {i} never showed up in {LEASE_SCHEMA}.{QUEUE_TABLE}")
+    if queued is None:
+        for child in children:
+            child.send("quiet")
+        for child in children:
+            if child.readline(60) != "quiet":
+                raise RuntimeError("unexpected answer from a lease waiter")
+
+
+def _grant_order(reports: list[dict[str, Any]], total: int, confirmed: bool) -> dict[str, Any]:
+    """The waiters' IDs in the order of their fencing tokens (the database's grant order)
+    against arrival order (0, 1, ...), which is only known when the queue confirmed it."""
+    got = sorted((tok, ident) for r in reports for ident, tok, _ in r["got"] if tok is not None)
+    order = [ident for _, ident in got]
+    return {
+        "arrival_confirmed": confirmed,
+        "grant_order": order,
+        "out_of_order": sum(1 for j, ident in enumerate(order) if ident != j),
+        "grants_in_arrival_order": (order == list(range(total))) if confirmed else None,
+    }
+
+
 def crowd_cross_process(ctx: Context) -> dict[str, Any]:
     """F with the waiters spread over ``waiter_procs`` processes: only the database tells them
-    of a release. Statements = round trips every process sent from the release on."""
+    of a release. The waiters start one at a time (round-robin over the processes), each
+    confirmed waiting in pglock's queue table when there is one; statements = round trips every
+    process sent from the release on; grant order = the waiters sorted by fencing token."""
     s = ctx.settings
     procs = max(1, s.waiter_procs)
-    per = max(1, s.waiters // procs)
+    total = procs * max(1, s.waiters // procs)
     name = ctx.lock_name("F", "lease-xproc")
     pool = make_pool(ctx)
     children: list[_Child] = []
@@ -553,19 +640,21 @@ def crowd_cross_process(ctx: Context) -> dict[str, Any]:
         holder = _pglock.lease(pool, name, ttl=30)
         holder.__enter__()
         try:
-            children = [
-                _Child(ctx, "crowd", "--name", name, "--threads", str(per)) for _ in range(procs)
-            ]
+            children = [_Child(ctx, "line", "--name", name) for _ in range(procs)]
             for c in children:
                 if c.readline(90) != "ready":
                     raise RuntimeError("unexpected answer from a lease waiter")
-            time.sleep(0.3)
+            with ctx.connect() as monitor:
+                queued = queue_probe(monitor, name)
+                _line_up(children, total, queued)
         finally:
             with StatementCounter() as mine:
                 t0 = time.perf_counter()
                 holder.__exit__(None, None, None)
+        for c in children:
+            c.end_input()
         reports = [json.loads(c.readline(180)) for c in children]
-        elapsed = max((t for r in reports for t in r["got"]), default=t0) - t0
+        elapsed = max((t for r in reports for _, _, t in r["got"]), default=t0) - t0
     finally:
         for c in children:
             c.close()
@@ -574,11 +663,13 @@ def crowd_cross_process(ctx: Context) -> dict[str, Any]:
     statements = mine.total + sum(1 for r in reports for t in r["stamps"] if t >= t0)
     errors = [e for r in reports for e in r["errors"]]
     return {
-        "waiters": procs * per,
+        "waiters": total,
         "processes": procs,
         "handoffs": handoffs,
         "statements": statements,
         "statements_per_handoff": rnd(statements / handoffs, 2) if handoffs else None,
         "seconds": rnd(elapsed, 3),
+        "arrival_check": f"{LEASE_SCHEMA}.{QUEUE_TABLE}" if queued else None,
+        **_grant_order(reports, total, queued is not None),
         **({"errors": errors} if errors else {}),
     }

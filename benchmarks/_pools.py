@@ -91,11 +91,21 @@ def workload_g(ctx: Context) -> dict[str, Any]:
             "checkout": checkout(pools["plain"]),
             "checkout+reset_connection": checkout(pools["reset"]),
         }
-        res = alternate(cycles, blocks=s.blocks, per_block=s.cycles_per_block, floor="checkout+raw")
-        for key, f in cycles.items():
+        res = alternate(
+            cycles,
+            blocks=s.blocks,
+            per_block=s.cycles_per_block,
+            floor="checkout+raw",
+            pairs=[("pool_lock (tx pool)", "checkout+raw (tx pool)")],
+        )
+        for (key, f), pool in zip(cycles.items(), pools.values(), strict=True):
             if "error" not in res[key]:
-                res[key]["round_trips"] = count_round_trips(f)
+                # The pool's one connection, traced by libpq: exact, whatever pglock calls.
+                conn = pool.getconn()
+                pool.putconn(conn)
+                res[key]["round_trips"] = count_round_trips(f, conns=[conn])
     out["cycles"] = res
+    out["round_trips_counted_by"] = "libpq trace"
     floor = "checkout+raw"
     out["floor"] = floor
 
@@ -105,6 +115,8 @@ def workload_g(ctx: Context) -> dict[str, Any]:
 
     out["pool_lock_ratio"] = res.get("pool_lock", {}).get("ratio")
     out["pool_lock_ratio_tx_pool"] = rel("pool_lock (tx pool)", "checkout+raw (tx pool)")
+    direct = res.get("pool_lock (tx pool)", {}).get("vs", {}).get("checkout+raw (tx pool)", {})
+    out["pool_lock_ratio_tx_pool_direct"] = direct.get("ratio")
     plain, reset = res.get("checkout", {}), res.get("checkout+reset_connection", {})
     if plain.get("p50_us") and reset.get("p50_us"):
         out["reset_cost_us"] = rnd(reset["p50_us"] - plain["p50_us"], 1)

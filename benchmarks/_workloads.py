@@ -77,31 +77,30 @@ def _block_pair(
 
 def _run_blocks(
     cycles: dict[str, Callable[[], None]],
-    others: list[str],
+    jobs: list[tuple[str, str]],
     failed: dict[str, str],
     *,
     blocks: int,
     per_block: int,
-    floor: str,
-) -> tuple[dict[str, list[_Block]], dict[str, list[_Block]]]:
-    """The timed rounds of :func:`alternate`: (blocks per key, floor blocks paired with each
-    key). A key whose block raises goes into ``failed`` and is not run again."""
-    runs: dict[str, list[_Block]] = {k: [] for k in cycles}
-    paired_floor: dict[str, list[_Block]] = {k: [] for k in others}
+) -> dict[tuple[str, str], list[tuple[_Block, _Block]]]:
+    """The timed rounds of :func:`alternate`: for every job (X, against), the (against block,
+    X block) pairs of each round. A key whose block raises goes into ``failed`` and is not run
+    again."""
+    out: dict[tuple[str, str], list[tuple[_Block, _Block]]] = {job: [] for job in jobs}
     for b in range(blocks):
-        shift = b % max(1, len(others))
-        for key in others[shift:] + others[:shift]:
-            if key in failed:
+        shift = b % max(1, len(jobs))
+        for key, against in jobs[shift:] + jobs[:shift]:
+            if key in failed or against in failed:
                 continue
             try:
-                fb, xb = _block_pair(cycles[floor], cycles[key], per_block, floor_first=b % 2 == 0)
+                fb, xb = _block_pair(
+                    cycles[against], cycles[key], per_block, floor_first=b % 2 == 0
+                )
             except Exception as exc:
                 failed[key] = repr(exc)
                 continue
-            runs[key].append(xb)
-            runs[floor].append(fb)
-            paired_floor[key].append(fb)
-    return runs, paired_floor
+            out[(key, against)].append((fb, xb))
+    return out
 
 
 def _block_figures(mine: list[_Block], per_block: int) -> tuple[dict[str, Any], float]:
@@ -119,14 +118,17 @@ def _block_figures(mine: list[_Block], per_block: int) -> tuple[dict[str, Any], 
     return entry, p50
 
 
-def _vs_floor(mine: list[_Block], fl: list[_Block], p50: float, cpu_us: Any) -> dict[str, Any]:
-    """The ratios of one key against the floor blocks paired with it."""
+def _vs_floor(pairs: list[tuple[_Block, _Block]], p50: float, cpu_us: Any) -> dict[str, Any]:
+    """The ratios of one key against the blocks paired with it ((against, mine) per round)."""
+    fl, mine = [f for f, _ in pairs], [x for _, x in pairs]
     floor_p50 = median([x for blk in fl for x in blk.samples])
-    per_round = [x.p50 / f.p50 for x, f in zip(mine, fl, strict=True) if f.p50 > 0]
+    per_round = [x.p50 / f.p50 for f, x in pairs if f.p50 > 0]
     floor_cpu = median([blk.cpu_us for blk in fl])
     return {
         "ratio": rnd(p50 / floor_p50, 3),
         "cpu_ratio": rnd(cpu_us / floor_cpu, 3) if floor_cpu > 0 else None,
+        # client CPU per cycle above the paired blocks: median over rounds of the difference
+        "cpu_diff_us": rnd(median([x.cpu_us - f.cpu_us for f, x in pairs]), 1),
         "floor_p50_us": rnd(floor_p50, 1),
         "ratio_blocks": [
             rnd(min(per_round), 3),
@@ -135,6 +137,7 @@ def _vs_floor(mine: list[_Block], fl: list[_Block], p50: float, cpu_us: Any) -> 
         ]
         if per_round
         else None,
+        "rounds": len(mine),
     }
 
 
@@ -145,6 +148,7 @@ def alternate(
     per_block: int,
     floor: str,
     warmup: int = 20,
+    pairs: Sequence[tuple[str, str]] = (),
 ) -> dict[str, dict[str, Any]]:
     """Time every callable against ``floor`` in adjacent blocks of ``per_block`` cycles.
 
@@ -156,25 +160,40 @@ def alternate(
     median over blocks; this thread only); cycles per second (median over blocks); ``ratio``,
     the p50 of X over the p50 of the floor blocks paired with X (the ratio of medians); and the
     min/median/max of the per-round ratios. The floor's own figures pool all its blocks.
+
+    ``pairs`` adds direct comparisons (X, Y): blocks of X next to blocks of Y in the same
+    rounds, reported as ``out[X]["vs"][Y]`` (the same figures as against the floor). They say
+    how X compares with Y without going through the floor, whose own speed may be off in a run.
     """
     failed = _warm_up(cycles, warmup)
     if floor in failed:
         raise RuntimeError(f"the floor {floor!r} failed: {failed[floor]}")
     others = [k for k in cycles if k != floor and k not in failed]
-    runs, paired_floor = _run_blocks(
-        cycles, others, failed, blocks=blocks, per_block=per_block, floor=floor
+    extra = [(x, y) for x, y in pairs if x in others and y in cycles and y not in failed]
+    runs = _run_blocks(
+        cycles, [(k, floor) for k in others] + extra, failed, blocks=blocks, per_block=per_block
     )
     out: dict[str, dict[str, Any]] = {}
     for key in cycles:
         if key in failed:
             out[key] = {"error": failed[key]}
             continue
-        entry, p50 = _block_figures(runs[key], per_block)
+        if key == floor:
+            mine = [f for k in others for f, _ in runs[(k, floor)]]
+        else:
+            mine = [x for _, x in runs[(key, floor)]]
+        entry, p50 = _block_figures(mine, per_block)
         if key == floor:
             entry.update(ratio=1.0, cpu_ratio=1.0, ratio_blocks=[1.0, 1.0, 1.0])
         else:
-            entry.update(_vs_floor(runs[key], paired_floor[key], p50, entry["cpu_us"]))
+            entry.update(_vs_floor(runs[(key, floor)], p50, entry["cpu_us"]))
         out[key] = entry
+    for x, y in extra:
+        if x in failed or y in failed or not runs[(x, y)]:
+            continue
+        _, p50 = _block_figures([xb for _, xb in runs[(x, y)]], per_block)
+        cpu = median([xb.cpu_us for _, xb in runs[(x, y)]])
+        out[x].setdefault("vs", {})[y] = _vs_floor(runs[(x, y)], p50, cpu)
     return out
 
 
@@ -211,6 +230,15 @@ def count_round_trips(f: Callable[[], object], n: int = 5, conns: Sequence[Any] 
 
 # --- A -------------------------------------------------------------------------------------------
 
+#: Direct comparisons in A (X next to Y in the same rounds, besides both next to the floor):
+#: the pairs that issue 13's targets compare.
+A_PAIRS = (
+    ("pglock", "postgresql-lock"),
+    ("pglock-10", "raw-10"),
+    ("pglock-xact", "raw-xact"),
+    ("lease", "ttl-table"),
+)
+
 
 def workload_a(ctx: Context, adapters: Sequence[Adapter]) -> dict[str, Any]:
     """Uncontended acquire+release, all adapters alternated block by block."""
@@ -229,7 +257,9 @@ def workload_a(ctx: Context, adapters: Sequence[Adapter]) -> dict[str, Any]:
             except Exception as exc:
                 rts[a.key] = None
                 ctx.note(f"A: round-trip count for {a.key} failed: {exc!r}")
-        res = alternate(cycles, blocks=s.blocks, per_block=s.cycles_per_block, floor="raw")
+        res = alternate(
+            cycles, blocks=s.blocks, per_block=s.cycles_per_block, floor="raw", pairs=A_PAIRS
+        )
     for a in chosen:
         res[a.key].update(label=a.label, group=a.group, round_trips=rts.get(a.key))
     out: dict[str, Any] = {"floor": "raw", "adapters": res}

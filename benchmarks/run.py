@@ -5,9 +5,10 @@
     python -m benchmarks.run --workloads A,C --adapters raw,pglock,pals
 
 It creates a throwaway database on the server of ``--dsn`` (dropped at the end), measures the
-workloads A-G (see benchmarks/README.md), prints an environment line and the medians with
-ratios against the raw psycopg floor measured in the same run, checks the targets of issue 7,
-and saves ``<out>/YYYY-MM-DD.json`` and ``<out>/chart.png`` (``-quick`` suffixes for --quick).
+workloads A-H (see benchmarks/README.md), prints an environment line and the medians with
+ratios against the raw psycopg floor measured in the same run, checks the targets of issues 7
+and 13, and saves ``<out>/YYYY-MM-DD.json`` and ``<out>/chart.png`` (``-quick`` suffixes for
+--quick, ``-TAG`` for --tag).
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ import psycopg
 
 import pglock
 
-from . import _adapters, _leases, _pools, _workloads
+from . import _adapters, _leases, _pools, _targets, _wal, _workloads
 from ._adapters import Adapter
 from ._common import APP_NAME, Context, Settings, dsn_with_db, scratch_database
 
-WORKLOADS = "ABCDEFG"
+WORKLOADS = "ABCDEFGH"
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 RESULTS = Path(__file__).resolve().parent / "results"
+#: The figures "nothing else gets slower" (issue 13) compares with: the last full run before it.
+BASELINE = RESULTS / "2026-11-26.json"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -50,7 +53,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--workloads",
         default=WORKLOADS,
-        help="which workloads, e.g. A,C (default: all of A-G; E-G need leases and pools)",
+        help="which workloads, e.g. A,C (default: all of A-H; E-H need leases and pools)",
     )
     p.add_argument(
         "--adapters",
@@ -73,6 +76,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS, help="where JSON and chart go")
     p.add_argument("--application-name", default=APP_NAME, help="application_name of every session")
     p.add_argument("--no-chart", action="store_true", help="do not draw the PNG chart")
+    p.add_argument(
+        "--baseline",
+        type=Path,
+        default=BASELINE,
+        help="an earlier result JSON for issue 13's 'nothing else slower' (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tag", default="", help="suffix of the result files: YYYY-MM-DD-TAG.json and .md"
+    )
     args = p.parse_args(argv)
     wl = {ch for ch in args.workloads.upper() if ch not in ", "}
     bad = wl - set(WORKLOADS)
@@ -409,7 +421,7 @@ def _md_c(w: dict[str, Any]) -> list[str]:
 
 def _md_skipped(w: dict[str, Any]) -> list[str]:
     lines: list[str] = []
-    for tag in "EFG":
+    for tag in "EFGH":
         v = w.get(tag)
         if isinstance(v, dict) and "skipped" in v:
             lines += [f"**{tag}** skipped: {v['skipped']}", ""]
@@ -492,10 +504,60 @@ def _md_g(w: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _md_targets(targets: list[dict[str, Any]]) -> list[str]:
-    lines = ["**Targets (issue 7)**", "", "| target | status | measured |", "|---|---|---|"]
+def _md_pairs(w: dict[str, Any]) -> list[str]:
+    rows = [
+        (tag, x, y, v)
+        for tag in "AG"
+        for x, r in ((_get(w, tag, "adapters") or _get(w, tag, "cycles")) or {}).items()
+        for y, v in (r.get("vs") or {}).items()
+    ]
+    if not rows:
+        return []
+    lines = [
+        "**Direct pairs** (blocks of X next to blocks of Y in the same rounds, besides both next"
+        " to the floor)",
+        "",
+        "| workload | X | Y | p50 ratio X/Y | per-round min-med-max | client CPU X - Y µs |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for tag, x, y, v in rows:
+        rb = v.get("ratio_blocks") or [None] * 3
+        lines.append(
+            f"| {tag} | {x} | {y} | {_fmt(v.get('ratio'), 'x')} | "
+            f"{_fmt(rb[0])}-{_fmt(rb[1])}-{_fmt(rb[2])} | {_fmt(v.get('cpu_diff_us'))} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _md_h(w: dict[str, Any]) -> list[str]:
+    h = _get(w, "H", "contenders")
+    if not h:
+        return []
+    idle = _get(w, "H", "idle") or {}
+    lines = [
+        "**H. WAL flushes per cycle** (`pg_stat_wal.wal_sync` deltas on a private idle cluster, "
+        f"PostgreSQL {_get(w, 'H', 'server')}; {idle.get('wal_sync')} flushes in "
+        f"{idle.get('seconds')} s with nothing running)",
+        "",
+        "| contender | cycles | WAL flushes | per cycle | WAL writes per cycle |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for key, r in h.items():
+        err = f" (errors: {r['errors']})" if r.get("errors") else ""
+        lines.append(
+            f"| {key}{err} | {r.get('cycles')} | {r.get('wal_sync')} | "
+            f"{_fmt(r.get('flushes_per_cycle'))} | {_fmt(r.get('writes_per_cycle'))} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _md_targets(targets: list[dict[str, Any]], issue: int = 7) -> list[str]:
+    lines = [f"**Targets (issue {issue})**", "", "| target | status | measured |", "|---|---|---|"]
     for t in targets:
         lines.append(f"| {t['target']} | {t['status']} | {t['shown']} |")
+    lines.append("")
     return lines
 
 
@@ -503,8 +565,9 @@ def markdown(result: dict[str, Any]) -> str:
     """The tables of benchmarks/README.md for one result file."""
     w = result["workloads"]
     lines = [f"Run {result['date']}: `{result['command']}`", "", result["environment_line"], ""]
-    for section in (_md_a, _md_threads, _md_c, _md_skipped, _md_e, _md_f, _md_g):
+    for section in (_md_a, _md_pairs, _md_threads, _md_c, _md_skipped, _md_e, _md_f, _md_g, _md_h):
         lines += section(w)
+    lines += _md_targets(result["targets_13"], 13)
     lines += _md_targets(result["targets"])
     return "\n".join(lines) + "\n"
 
@@ -528,6 +591,15 @@ def build_adapters(ctx: Context, only: set[str] | None, want_leases: bool) -> li
         except Exception as exc:
             ctx.note(f"{a.key} skipped: setup failed: {exc!r}")
     return ready
+
+
+def _load_baseline(path: Path, notes: list[str]) -> dict[str, Any] | None:
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+        return data
+    except (OSError, ValueError) as exc:
+        notes.append(f"no baseline for 'nothing else slower': {path}: {exc!r}")
+        return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -571,8 +643,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "E": lambda: _leases.workload_e(ctx),
             "F": lambda: _leases.workload_f(ctx),
             "G": lambda: _pools.workload_g(ctx),
+            "H": lambda: _wal.workload_h(ctx),
         }
         gaps = {"E": lease_gap, "F": lease_gap, "G": _pools.missing()}
+        gaps["H"] = lease_gap or _wal.missing()
         for tag in args.workloads:
             gap = gaps.get(tag)
             if gap:
@@ -604,10 +678,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "notes": notes,
     }
     result["targets"] = evaluate_targets(workloads)
+    baseline = _load_baseline(args.baseline, notes)
+    result["baseline"] = str(args.baseline) if baseline else None
+    result["targets_13"] = _targets.evaluate(workloads, baseline)
     md = markdown(result)
     print("\n" + md, flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = today + ("-quick" if args.quick else "")
+    stem = today + ("-quick" if args.quick else "") + (f"-{args.tag}" if args.tag else "")
     path = args.out / f"{stem}.json"
     path.write_text(json.dumps(result, indent=2, sort_keys=False, default=str) + "\n")
     (args.out / f"{stem}.md").write_text(md)
@@ -617,7 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif not args.no_chart:
         from ._chart import draw
 
-        chart = args.out / ("chart-quick.png" if args.quick else "chart.png")
+        chart = args.out / ("-".join(["chart", *stem.split("-")[3:]]) + ".png")
         draw(result, chart)
         print(f"wrote {chart}", flush=True)
     print(f"total {result['duration_s']} s", flush=True)

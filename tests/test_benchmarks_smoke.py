@@ -45,6 +45,21 @@ def _sessions(dsn: str, app_name: str) -> int:
         return int(row[0]) if row else 0
 
 
+def _check_lease_workloads(w: dict[str, Any]) -> None:
+    if "skipped" not in w["F"]:  # every waiter got the lease, in one process and across
+        for part in ("one_process", "processes"):
+            assert not w["F"][part].get("errors"), w["F"][part]
+            assert w["F"][part]["handoffs"] == w["F"][part]["waiters"] > 0, w["F"][part]
+        across = w["F"]["processes"]  # one grant (token) per waiter: the order is a permutation
+        assert sorted(across["grant_order"]) == list(range(across["waiters"])), across
+        assert (across["grants_in_arrival_order"] is None) == (across["arrival_check"] is None)
+    if "skipped" not in w["H"]:  # the WAL-flush count tells the controls apart: 0 and 2
+        h = w["H"]["contenders"]
+        assert not any(r.get("errors") for r in h.values()), h
+        assert h["raw"]["flushes_per_cycle"] <= 0.1, h
+        assert abs(h["ttl-table"]["flushes_per_cycle"] - 2) <= 0.1, h
+
+
 @pytest.mark.timeout(90)
 def test_quick_run_writes_results(pg_dsn: str, app_name: str, tmp_path: Path) -> None:
     proc = subprocess.run(
@@ -75,7 +90,7 @@ def test_quick_run_writes_results(pg_dsn: str, app_name: str, tmp_path: Path) ->
     assert result["quick"] is True
     assert result["environment"]["pglock"] == pglock.__version__
     assert result["environment"]["psycopg_impl"] == psycopg.pq.__impl__
-    assert set(result["workloads"]) == set("ABCDEFG")
+    assert set(result["workloads"]) == set("ABCDEFGH")
 
     w = result["workloads"]
     for key in ("raw", "pglock", "pglock-10", "pglock-xact", "postgresql-lock", "pals"):
@@ -94,17 +109,16 @@ def test_quick_run_writes_results(pg_dsn: str, app_name: str, tmp_path: Path) ->
     for key, entry in w["C"]["adapters"].items():
         assert not entry.get("errors"), (key, entry)
         assert entry["handoffs"] > 0 and entry["p50_ms"] > 0, key
-    for tag in "EFG":
+    for tag in "EFGH":
         assert "skipped" in w[tag] or "errors" not in w[tag], (tag, w[tag])
-    if "skipped" not in w["F"]:  # every waiter got the lease, in one process and across
-        for part in ("one_process", "processes"):
-            assert not w["F"][part].get("errors"), w["F"][part]
-            assert w["F"][part]["handoffs"] == w["F"][part]["waiters"] > 0, w["F"][part]
+    _check_lease_workloads(w)
     if "skipped" not in w["E"]:
         assert w["E"]["keepalive"]["leases_lost"] == 0, w["E"]
         assert w["E"]["acquire_vs_rows"]["samples"] > 0, w["E"]
 
     assert {t["status"] for t in result["targets"]} <= STATUSES
+    assert {t["status"] for t in result["targets_13"]} <= STATUSES
+    assert {t["id"] for t in result["targets_13"]} >= {"A:floor", "A:peer", "F:fifo", "lease:wal"}
     assert {t["id"] for t in result["targets"]} >= {"pg_lock", "multi_key", "pool_lock"}
     if importlib.util.find_spec("matplotlib") is not None:  # the bench extra (CI has it)
         assert (tmp_path / "chart-quick.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -177,13 +191,59 @@ def test_counters_count_round_trips(bench_ctx: Any) -> None:
             conn.execute("SELECT 1")
             with conn.transaction():  # BEGIN and COMMIT are round trips too
                 conn.execute("SELECT 1; SELECT 2")  # one batch, one round trip
-        assert counter.total == 4
-        assert sum(counter.snapshot().values()) == 4 and len(counter.stamps()) == 4
+            # What pglock's cancellable statements do: drive the cursor's generator directly.
+            cur = conn.cursor()
+            conn.wait(cur._execute_gen("SELECT 1", None))
+        assert counter.total == 5
+        assert sum(counter.snapshot().values()) == 5 and len(counter.stamps()) == 5
         conn.execute("SELECT 1")  # not counted once the counter is closed
-        assert counter.total == 4
+        assert counter.total == 5
 
         with trace_round_trips([conn]) as count:
             conn.execute("SELECT 1")
             with conn.transaction():
                 conn.execute("SELECT 1")
         assert count() == 4
+
+
+def test_issue13_targets_come_from_the_figures() -> None:
+    from benchmarks import _targets
+
+    # Nothing measured: nothing is met by default.
+    assert {t["status"] for t in _targets.evaluate({}, None)} == {"not yet measurable"}
+
+    def a_with(pglock: float, direct: float) -> dict[str, Any]:
+        adapters = {
+            "raw": {"ratio": 1.0, "cpu_us": 50.0},
+            "postgresql-lock": {"ratio": 1.05, "cpu_diff_us": 4.0},
+            "pglock": {
+                "ratio": pglock,
+                "cpu_diff_us": 8.0,
+                "vs": {"postgresql-lock": {"ratio": direct}},
+            },
+        }
+        got = {t["id"]: t["status"] for t in _targets.evaluate({"A": {"adapters": adapters}}, None)}
+        return got
+
+    met = a_with(1.02, 0.98)
+    assert (met["A:floor"], met["A:peer"], met["A:cpu"]) == ("met", "met", "met")
+    slow = a_with(1.2, 1.15)
+    assert (slow["A:floor"], slow["A:peer"]) == ("not met", "not met")
+    # Through the floor pglock looks faster than the peer, paired directly it is not: not met.
+    assert a_with(1.02, 1.1)["A:peer"] == "not met"
+
+    def wal(lease: float, raw: float, ttl: float) -> str:
+        h = {
+            "H": {
+                "contenders": {
+                    k: {"flushes_per_cycle": v}
+                    for k, v in (("lease", lease), ("raw", raw), ("ttl-table", ttl))
+                }
+            }
+        }
+        (row,) = [t for t in _targets.evaluate(h, None) if t["id"] == "lease:wal"]
+        return str(row["status"])
+
+    assert wal(1.002, 0.0, 2.0) == "met"
+    assert wal(2.0, 0.0, 2.0) == "not met"
+    assert wal(1.0, 0.0, 1.0) == "not yet measurable"  # the controls are off: not trusted
