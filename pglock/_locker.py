@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -172,6 +173,7 @@ class Locker:
             self._closed = True
             pool, self._own_pool = self._own_pool, None
         if pool is not None:
+            _returns_settled(pool)
             pool.close()
 
     def __enter__(self) -> Self:
@@ -265,3 +267,15 @@ class Locker:
 
 
 __all__ = ["Locker"]
+
+
+def _returns_settled(pool: ConnectionPool[Any], within: float = 0.5) -> None:
+    """Give connections on their way back a moment (bounded) before the pool closes: with a
+    reset hook, psycopg_pool returns a connection in a worker task, and close() drops tasks still
+    queued, which leaves their connections open until garbage-collected."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        stats = pool.get_stats()
+        if stats.get("pool_available", 0) >= stats.get("pool_size", 0):
+            return
+        time.sleep(0.002)
