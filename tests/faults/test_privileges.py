@@ -20,6 +20,7 @@ Everything runs in a throwaway database of its own; the roles are dropped afterw
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import uuid
@@ -209,7 +210,8 @@ def test_T28_least_privilege_role_runs_every_lease_operation(
         assert [i.name for i in pglock.list_leases(pool, prefix=name)] == [name]
         c.rollback()
 
-    # A waiter (LISTEN) is woken by the release's NOTIFY, sent from inside the function.
+    # A queued waiter is handed the lease by the release, whose NOTIFY (sent from inside the
+    # function, as the role) carries the grant to it.
     watch = listening("pglock_lease", app_dsn)  # the role itself hears the NOTIFY
     try:
         b = pglock.lease(pool, name, ttl=5)
@@ -223,7 +225,9 @@ def test_T28_least_privilege_role_runs_every_lease_operation(
         a.release()
         t.join(25)
         assert not t.is_alive() and got == [True]
-        notified(watch, name)
+        got_payloads = [n.payload for n in watch.notifies(timeout=5, stop_after=1)]
+        grant = ["grant", name, b.holder, b.token]
+        assert [json.loads(p)[:4] for p in got_payloads] == [grant], got_payloads
     finally:
         watch.close()
     assert a.token is not None and b.token is not None and b.token > a.token
@@ -363,7 +367,7 @@ def test_T28_functions_are_security_definer_with_a_pinned_search_path(
         " FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
         " WHERE n.nspname = 'pglock' ORDER BY 1"
     ).fetchall()
-    assert len(rows) == 11, rows  # 7 lease functions, 4 semaphore functions
+    assert len(rows) == 17, rows  # 7 lease functions, 4 semaphore, 6 of the lease queue (0004)
     for proname, secdef, config, public_exec in rows:
         assert secdef, proname
         assert config == ["search_path=pg_catalog, pglock, pg_temp"], (proname, config)
