@@ -1,11 +1,13 @@
-"""The name registry: ``(key, name)`` recorded once per (process, database, key) with the lock
+"""The name registry: ``(key, name)`` recorded once per (process, database, key) with a lock
 statement, for ``advisory_locks()`` and ``pglock status`` (docs/how-it-works.md, "The name
-registry"; docs/guarantees.md on when the table is trusted).
+registry"; docs/guarantees.md on when the table is trusted). A process that meets new names
+faster than :data:`RATE` per second queues them and sends them together (:data:`BATCH`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,8 +21,18 @@ from ._conn import ConnState
 
 #: How many (database, key) pairs one process remembers as registered.
 MAX_CACHED = 100_000
+#: New names per second (and database) registered with their own lock statement; past that,
+#: names wait in a queue that goes out with a later lock statement once it holds BATCH names
+#: or its oldest has waited MAX_DELAY seconds.
+RATE = 10.0
+BATCH = 64
+MAX_DELAY = 1.0
 
-_seen: OrderedDict[tuple[tuple[Any, ...], int], None] = OrderedDict()
+Database = tuple[Any, ...]
+_seen: OrderedDict[tuple[Database, int], None] = OrderedDict()
+_queued: dict[Database, dict[int, str]] = {}  # names waiting for a batch, per database
+_since: dict[Database, float] = {}  # when the oldest of them was queued
+_budget: dict[Database, tuple[float, float]] = {}  # (registrations left, at) per database
 _lock = threading.Lock()
 
 
@@ -41,7 +53,7 @@ class Registration:
 _NOTHING = Registration(None, ())
 
 
-def _database(conn: psycopg.Connection[Any]) -> tuple[Any, ...]:
+def _database(conn: psycopg.Connection[Any]) -> Database:
     return (conn.info.host, conn.info.port, conn.info.dbname)
 
 
@@ -61,10 +73,31 @@ def pending(
         return _NOTHING
     db = state.database or _database(conn)
     with _lock:
-        pairs = tuple(
-            (k, n) for k, n in zip(keys, names, strict=True) if (db, k) not in _seen
-        )
-    return Registration(schema, pairs, own_transaction, db)
+        new = [(k, n) for k, n in zip(keys, names, strict=True) if (db, k) not in _seen]
+        if not new:
+            return _NOTHING
+        pairs = _due(db, new, time.monotonic())
+    return Registration(schema, pairs, own_transaction, db) if pairs else _NOTHING
+
+
+def _due(db: Database, new: list[tuple[int, str]], now: float) -> tuple[tuple[int, str], ...]:
+    """Under ``_lock``: the pairs to send now (``new`` within the rate, or the whole queue
+    once it is due), queueing the rest; sorted by key, as concurrent inserts must be."""
+    queue = _queued.get(db)
+    left, at = _budget.get(db, (RATE, now))
+    left = min(RATE, left + (now - at) * RATE)
+    if queue is None and left >= len(new):
+        _budget[db] = (left - len(new), now)
+        return tuple(sorted(new))
+    _budget[db] = (left, now)
+    if queue is None:
+        queue = _queued[db] = {}
+        _since[db] = now
+    queue.update(new)
+    if len(queue) < BATCH and now - _since[db] < MAX_DELAY:
+        return ()
+    del _queued[db], _since[db]
+    return tuple(sorted(queue.items()))
 
 
 def statement(registration: Registration) -> sql.Composed:
@@ -89,6 +122,10 @@ def mark(conn: psycopg.Connection[Any], registration: Registration) -> None:
 
 
 def clear() -> None:
-    """Forget every registration this process sent (tests; after the schema was reinstalled)."""
+    """Forget every registration this process sent or queued (tests; after the schema was
+    reinstalled)."""
     with _lock:
         _seen.clear()
+        _queued.clear()
+        _since.clear()
+        _budget.clear()

@@ -71,6 +71,12 @@ def uniq(prefix: str = "insp") -> str:
     return f"{prefix}:{uuid.uuid4().hex[:12]}"
 
 
+@pytest.fixture(autouse=True)
+def fresh_registry() -> None:
+    """Each test starts as a new process would: nothing registered or queued, the full rate."""
+    _registry.clear()
+
+
 # --- the registry ---------------------------------------------------------------------------
 
 
@@ -123,6 +129,50 @@ def test_registration_rides_in_the_lock_round_trip_once_per_process(
     with pglock.pg_lock(other, name):
         pass
     assert not any("INSERT INTO" in s for s in other.sent)  # type: ignore[attr-defined]
+
+
+def test_names_met_faster_than_the_rate_go_out_in_batches(
+    open_: Connect, reg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past RATE new names per second, names queue and ride together on a later lock
+    statement once BATCH are queued; every cycle keeps its two round trips."""
+    monkeypatch.setattr(_registry, "RATE", 2.0)
+    monkeypatch.setattr(_registry, "BATCH", 4)
+    monkeypatch.setattr(_registry, "MAX_DELAY", 60.0)
+    c = open_(reg_dsn, record=True)
+    with pglock.pg_lock(c, uniq()):  # probe the connection first
+        pass
+    _registry.clear()
+    names = [uniq() for _ in range(6)]
+    inserts = []
+    for n in names:
+        c.sent.clear()  # type: ignore[attr-defined]
+        with pglock.pg_lock(c, n):
+            pass
+        sent: list[str] = list(c.sent)  # type: ignore[attr-defined]
+        assert len(sent) == 2, sent
+        inserts.append("INSERT INTO" in sent[0])
+    # Two within the rate, each with its own lock; three queued; the fourth queued fills the
+    # batch, which goes out with that lock statement.
+    assert inserts == [True, True, False, False, False, True]
+    assert registered(reg_dsn, *names) == {n: pglock.key(n) for n in names}
+
+
+def test_queued_names_go_out_with_the_first_lock_after_max_delay(
+    open_: Connect, reg_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_registry, "RATE", 0.0)
+    monkeypatch.setattr(_registry, "MAX_DELAY", 0.2)
+    c = open_(reg_dsn)
+    first, second = uniq(), uniq()
+    with pglock.pg_lock(c, first):
+        pass
+    assert registered(reg_dsn, first) == {}
+    time.sleep(0.25)
+    with pglock.pg_lock(c, second):
+        pass
+    both = {first: pglock.key(first), second: pglock.key(second)}
+    assert registered(reg_dsn, first, second) == both
 
 
 def test_no_registration_without_the_schema(open_: Connect, bare_dsn: str) -> None:
