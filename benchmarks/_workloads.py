@@ -374,7 +374,13 @@ def contend(
     the write: the negative control uses it to force two readers to interleave)."""
     tag = "D" if same_name else "B"
     shared = ctx.lock_name(tag, adapter.key)
-    names = [shared if same_name else f"{shared}:{i}" for i in range(threads)]
+    # B: 100 names per thread, taken in turn (the issue's workload: a name registry or a cache
+    # per name must show up here); D: the one shared name.
+    per = 1 if same_name else NAMES_PER_THREAD
+    names = [
+        [shared] if same_name else [f"{shared}:{i}:{j}" for j in range(per)]
+        for i in range(threads)
+    ]
     counts = [0] * threads
     errors: list[str] = []
     stop = threading.Event()
@@ -390,7 +396,7 @@ def contend(
             try:
                 ready.wait()
                 while not stop.is_set() and (max_cycles is None or n < max_cycles):
-                    client.acquire(names[i])
+                    client.acquire(names[i][n % per])
                     try:
                         if cc is not None:
                             _bump_counter(cc, shared, between)
@@ -425,6 +431,10 @@ def contend(
         if errors:
             out["errors"] = errors
         return out
+
+
+#: Distinct names each thread of B takes in turn.
+NAMES_PER_THREAD = 100
 
 
 def workload_threads(
