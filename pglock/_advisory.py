@@ -206,14 +206,15 @@ def pg_lock(
 
 
 def reserved(
-    conn: psycopg.Connection[Any], state: ConnState, ctx: Context, take: Callable[[bool], _T]
+    conn: psycopg.Connection[Any], state: ConnState, ctx: Callable[[], Context],
+    take: Callable[[bool], _T],
 ) -> _T:
     """``take(False)``; when another thread's transaction-lock records stand in the way, check
-    them in pg_locks (:func:`drop_stale_xact`) and ``take(True)``."""
+    them in pg_locks (:func:`drop_stale_xact`, in the context ``ctx()``) and ``take(True)``."""
     try:
         return take(False)
     except _holds.Recheck as recheck:
-        drop_stale_xact(conn, state, recheck.records, ctx)
+        drop_stale_xact(conn, state, recheck.records, ctx())
         return take(True)
 
 
@@ -304,7 +305,7 @@ def acquire(
     me = threading.current_thread()
     deadline = _deadline(timeout)
     need = reserved(
-        conn, state, Context(names, keys, timeout),
+        conn, state, lambda: Context(names, keys, timeout),
         lambda checked: _holds.reserve(
             conn, state, keys, names, shared=shared, deadline=deadline, stop=flight.stop,
             checked=checked,
@@ -318,8 +319,8 @@ def acquire(
     granted = False
     try:
         ctx = Context(
-            [names[keys.index(k)] for k in need], need, timeout,
-            _conn.answer_deadline(deadline), flight=flight,
+            names if len(need) == len(keys) else [names[keys.index(k)] for k in need],
+            need, timeout, _conn.answer_deadline(deadline), flight=flight,
         )
         granted = _session_lock(conn, state, need, ctx, shared=shared, timeout=_remaining(deadline))
         if granted:
@@ -356,15 +357,15 @@ def _session_lock(
         conn, state, ctx.keys, ctx.names, own_transaction=status != INTRANS
     )
     if registering:
-        # This process's first use of these names here: record them in the same round trip,
-        # after the lock statement (see pglock._registry for why that order).
+        # Names to record (pglock._registry): in the same round trip, after the lock statement
+        # (see pglock._registry for why that order).
         if stmt is None:
             stmt = _sql.lock(keys, shared=shared, xact=False, try_=try_)
         stmt = sql.SQL("; ").join([stmt, _registry.statement(registering)])
 
     try:
         if stmt is None:  # the common case: no timeout, no caller's transaction
-            res = _lock_statement(conn, keys, ctx, shared=shared, try_=try_)
+            res = _lock_statement(conn, state, keys, ctx, shared=shared, try_=try_)
             if status == IDLE and conn.pgconn.transaction_status == INTRANS:
                 conn.commit()  # begun by psycopg's cursor (see _conn.call)
             if not try_:
@@ -387,11 +388,13 @@ def _session_lock(
 
 
 def _lock_statement(
-    conn: psycopg.Connection[Any], keys: list[int], ctx: Context, *, shared: bool, try_: bool
+    conn: psycopg.Connection[Any], state: ConnState, keys: list[int], ctx: Context, *,
+    shared: bool, try_: bool,
 ) -> Any:
     if len(keys) == 1:
-        return _conn.call(conn, _sql.LOCK_ONE[(False, shared, try_)], (keys[0],), ctx)
-    return _conn.call(conn, _sql.LOCK_MANY[(shared, try_)], (keys,), ctx)
+        query = _sql.LOCK_ONE[(False, shared, try_)]
+        return _conn.call(conn, query, (keys[0],), ctx, prepared=state.prepared)
+    return _conn.call(conn, _sql.LOCK_MANY[(shared, try_)], (keys,), ctx, prepared=state.prepared)
 
 
 def _all_or_nothing(
@@ -497,18 +500,20 @@ def _session_unlock(
         )
         return
 
+    prepared = state.prepared
+
     def unlock_all() -> bool:
         ok = True
         for shared, keys in by_mode.items():
             if len(keys) == 1:
-                res = _conn.call(conn, _sql.UNLOCK_ONE[shared], (keys[0],))
+                res = _conn.call(conn, _sql.UNLOCK_ONE[shared], (keys[0],), prepared=prepared)
             else:
-                res = _conn.call(conn, _sql.UNLOCK_MANY[shared], (keys,))
+                res = _conn.call(conn, _sql.UNLOCK_MANY[shared], (keys,), prepared=prepared)
             ok = _conn.truth(res) and ok
         return ok
 
     try:
-        ok = in_own_transaction(conn, status, unlock_all)
+        ok = unlock_all() if conn.autocommit else in_own_transaction(conn, status, unlock_all)
     except psycopg.OperationalError as exc:
         if conn.closed or conn.broken:
             raise LockLost.for_names(

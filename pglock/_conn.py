@@ -5,6 +5,7 @@ is pglock's per-connection bookkeeping (in a weak registry).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import select
 import struct
@@ -20,7 +21,7 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg import generators, sql
 from psycopg.adapt import AdaptersMap
-from psycopg.pq import ConnStatus, ExecStatus, Format, TransactionStatus
+from psycopg.pq import ConnStatus, DiagnosticField, ExecStatus, Format, TransactionStatus
 from psycopg.pq.abc import PGresult
 from psycopg.rows import tuple_row
 
@@ -42,6 +43,7 @@ logger = logging.getLogger("pglock")
 _TUPLES_OK = ExecStatus.TUPLES_OK
 _FATAL_ERROR = ExecStatus.FATAL_ERROR
 _CONNECTION_OK = ConnStatus.OK
+_SQLSTATE = DiagnosticField.SQLSTATE
 _R = TypeVar("_R")
 Query = str | bytes | sql.SQL | sql.Composed
 
@@ -288,7 +290,7 @@ def direct(conn: psycopg.Connection[Any]) -> bool:
 
 def call(
     conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param] = (),
-    ctx: Context | None = None, *, begin: bool = False,
+    ctx: Context | None = None, *, begin: bool = False, prepared: set[bytes] | None = None,
 ) -> PGresult:
     """Send one fixed statement of :mod:`pglock._sql` (``$n`` placeholders, bigint or bigint[]
     parameters; several ``;``-joined statements without parameters) through libpq, results in
@@ -296,7 +298,9 @@ def call(
     no cursor, adapter or row factory, so nothing of the caller's connection set-up applies
     (in pipeline mode or with client-side binding it goes through pglock's cursor). Errors are
     translated as :func:`run_all` does. ``begin``: the statement belongs in the caller's
-    transaction, which psycopg begins first on an idle non-autocommit connection."""
+    transaction, which psycopg begins first on an idle non-autocommit connection.
+    ``prepared``: the names of the statements prepared on the connection (ConnState.prepared):
+    outside a transaction the statement is prepared once and then executed by name."""
     ctx = ctx or _NO_CONTEXT
     send = _call
     idle = conn.pgconn.transaction_status == IDLE
@@ -304,9 +308,10 @@ def call(
         send = _call_on_cursor
     try:
         if ctx.deadline is None:
-            return send(conn, query, params, ctx.flight)
+            return send(conn, query, params, ctx.flight, prepared)
         return within(
-            conn, ctx.deadline, lambda: send(conn, query, params, ctx.flight), "a lock statement"
+            conn, ctx.deadline, lambda: send(conn, query, params, ctx.flight, prepared),
+            "a lock statement",
         )
     except psycopg.Error as exc:
         translated = translate(exc, ctx)
@@ -316,27 +321,26 @@ def call(
 
 
 def _call(
-    conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param], flight: Flight | None
+    conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param], flight: Flight | None,
+    prepared: set[bytes] | None,
 ) -> PGresult:
     pgconn = conn.pgconn
-    if params:
-        values = [
-            _INT8(p) if isinstance(p, int) else b"{%s}" % b",".join(b"%d" % k for k in p)
-            for p in params
-        ]
-        types = [_INT8_OID if isinstance(p, int) else _INT8_ARRAY_OID for p in params]
-        formats = [_BINARY if isinstance(p, int) else _TEXT for p in params]
+    values = [
+        _INT8(p) if isinstance(p, int) else b"{%s}" % b",".join(b"%d" % k for k in p)
+        for p in params
+    ]
+    types = [_INT8_OID if isinstance(p, int) else _INT8_ARRAY_OID for p in params]
+    formats = [_BINARY if isinstance(p, int) else _TEXT for p in params]
 
-        def send() -> list[PGresult]:
-            _check_sendable(pgconn)
-            pgconn.send_query_params(query, values, types, formats, _BINARY)
-            return conn.wait(generators.execute(pgconn))
-    else:
-
-        def send() -> list[PGresult]:
-            _check_sendable(pgconn)
+    def send() -> list[PGresult]:
+        _check_sendable(pgconn)
+        if not params:
             pgconn.send_query(query)
-            return conn.wait(generators.execute(pgconn))
+        elif prepared is None or pgconn.transaction_status != IDLE:
+            pgconn.send_query_params(query, values, types, formats, _BINARY)
+        else:
+            return _send_prepared(conn, query, values, types, formats, prepared)
+        return conn.wait(generators.execute(pgconn))
 
     if flight is None:
         with conn.lock:
@@ -355,13 +359,50 @@ def _call(
     return found
 
 
+def _send_prepared(
+    conn: psycopg.Connection[Any], query: bytes, values: list[bytes], types: list[int],
+    formats: list[Format], prepared: set[bytes],
+) -> list[PGresult]:
+    """Execute ``query`` as a statement prepared on the connection (once), outside a
+    transaction: parsed and planned once, not at every lock. Prepared again when it is gone
+    (``DEALLOCATE ALL``, ``DISCARD ALL``): outside a transaction these errors change nothing."""
+    pgconn = conn.pgconn
+    name = _statement_name(query)
+    for _ in range(2):
+        if name not in prepared:
+            pgconn.send_prepare(name, query, types)
+            for res in conn.wait(generators.execute(pgconn)):
+                # 42P05: prepared before pglock last forgot the connection (a pool reset).
+                if res.status == _FATAL_ERROR and res.error_field(_SQLSTATE) != b"42P05":
+                    raise pg_errors.error_from_result(res, encoding=conn.info.encoding)
+            prepared.add(name)
+        pgconn.send_query_prepared(name, values, formats, _BINARY)
+        results: list[PGresult] = conn.wait(generators.execute(pgconn))
+        last = results[-1]
+        if last.status != _FATAL_ERROR or last.error_field(_SQLSTATE) != b"26000":
+            return results
+        prepared.discard(name)
+    return results
+
+
+_NAMES: dict[bytes, bytes] = {}
+
+
+def _statement_name(query: bytes) -> bytes:
+    name = _NAMES.get(query)
+    if name is None:  # a few fixed statements of pglock._sql
+        name = _NAMES[query] = b"_pglock_" + hashlib.sha256(query).hexdigest()[:16].encode()
+    return name
+
+
 def _check_sendable(pgconn: Any) -> None:
     if pgconn.status != _CONNECTION_OK:
         raise psycopg.OperationalError("the connection is closed")
 
 
 def _call_on_cursor(
-    conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param], flight: Flight | None
+    conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param], flight: Flight | None,
+    prepared: set[bytes] | None = None,
 ) -> PGresult:
     """:func:`call` through pglock's own cursor (pipeline mode, client-side binding, a
     transaction to begin), the parameters rendered as literals (bigints only)."""
@@ -556,6 +597,7 @@ class ConnState:
         self.holds: dict[int, KeyHold] = {}
         self.probed = False
         self.registry: str | None = None  # the name registry's schema, if installed and writable
+        self.prepared: set[bytes] = set()  # statements pglock prepared on it (_conn.call)
         self.database: tuple[Any, ...] = ()  # (host, port, dbname), for the registry's cache
         self.backend_pid: int | None = None
         self.deferred: list[tuple[int, bool]] = []  # unlocks not sent (failed transaction at exit)

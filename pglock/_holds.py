@@ -56,6 +56,10 @@ def reserve(
     me = threading.current_thread()
     mode = "s" if shared else "x"
     with state.lock:
+        if not state.holds and not state.xact:  # the common case: nothing else on the session
+            for k in keys:
+                state.holds[k] = KeyHold(mode, {me: 1}, pending=True)
+            return list(keys)
         while True:
             if state.xact:
                 xact_conflicts(conn, state, keys, names, checked)

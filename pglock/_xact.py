@@ -86,7 +86,7 @@ def xact_acquire(
     if not state.probed or state.deferred:
         housekeeping(conn, state, ctx)
     prior = reserved(
-        conn, state, ctx,
+        conn, state, lambda: ctx,
         lambda checked: _holds.xact_reserve(
             conn, state, keys, names, shared=shared, deadline=deadline, checked=checked
         ),

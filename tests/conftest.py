@@ -180,6 +180,15 @@ def connect(pg_dsn: str, app_name: str) -> Iterator[Callable[..., psycopg.Connec
 
 
 @pytest.fixture(autouse=True)
+def _fresh_name_registry() -> None:
+    """Each test meets the name registry as a new process would: nothing sent or queued, the
+    full rate (pglock._registry is process-wide state, and its rate is per second)."""
+    from pglock import _registry
+
+    _registry.clear()
+
+
+@pytest.fixture(autouse=True)
 def _no_leaked_locks(request: pytest.FixtureRequest, app_name: str) -> Iterator[None]:
     """Fail a database test that ends with an advisory lock still held by a test session
     that outlived the test (a pool or connection the test did not close)."""

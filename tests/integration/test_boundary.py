@@ -408,3 +408,34 @@ def test_item14_dict_row_pool_keeps_its_connections(
             assert c.info.backend_pid == pid  # the same session: kept, not discarded
         finally:
             pool.putconn(c)
+
+
+def test_pglocks_prepared_statements_survive_the_callers_deallocate(
+    dbconnect: Connect, name: str
+) -> None:
+    """pglock prepares its lock statements on a connection (outside transactions only): a
+    caller's DEALLOCATE ALL or DISCARD ALL makes the next one prepare them again, and inside a
+    transaction pglock never relies on them (a missing one would abort the caller's work)."""
+    c, obs = dbconnect(autocommit=False), dbconnect()
+    for _ in range(2):  # the first may carry the name's registration, as a batch of its own
+        with pglock.pg_lock(c, name):
+            pass
+    prepared = c.execute("SELECT count(*) FROM pg_prepared_statements WHERE name LIKE '_pglock_%'")
+    assert prepared.fetchone() == (2,)  # the lock and the unlock
+    c.commit()
+    for reset in ("DEALLOCATE ALL", "DISCARD ALL"):
+        c.autocommit = True
+        c.execute(reset)
+        c.autocommit = False
+        with c.transaction():
+            with pglock.pg_lock(c, name):
+                assert holders(obs, name) == [(c.info.backend_pid, X)]
+            assert c.execute("SELECT 1").fetchone() == (1,)  # the transaction is usable
+        with pglock.pg_lock(c, name):  # outside a transaction: prepared again
+            assert holders(obs, name) == [(c.info.backend_pid, X)]
+        assert holders(obs, name) == []
+        assert c.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    # A pool reset makes pglock forget the connection, not its prepared statements.
+    pglock.reset_connection(c)
+    with pglock.pg_lock(c, name):
+        assert holders(obs, name) == [(c.info.backend_pid, X)]

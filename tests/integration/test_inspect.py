@@ -71,12 +71,6 @@ def uniq(prefix: str = "insp") -> str:
     return f"{prefix}:{uuid.uuid4().hex[:12]}"
 
 
-@pytest.fixture(autouse=True)
-def fresh_registry() -> None:
-    """Each test starts as a new process would: nothing registered or queued, the full rate."""
-    _registry.clear()
-
-
 # --- the registry ---------------------------------------------------------------------------
 
 
