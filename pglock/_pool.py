@@ -378,7 +378,9 @@ class PoolLock(BaseLock):
 def _end_transaction(kind: str, conn: Any, *, commit: bool) -> None:
     target: Any
     if kind == "psycopg_pool":
-        target = None if conn.closed or conn.broken else conn
+        # Nothing to end on an idle connection (commit() would still take its lock and wait).
+        idle = conn.closed or conn.broken or conn.pgconn.transaction_status == IDLE
+        target = None if idle else conn
     elif conn.invalidated or conn.closed:
         target = None
     elif conn.in_transaction():
