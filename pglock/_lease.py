@@ -377,7 +377,8 @@ class Lease(_base.BaseLock, _ttl.Held):
             )
         _, _, holder, *grant = found[0][0]
         if holder is not None:
-            _waiting.waiters.deliver(self._qkey, holder, _waiting.Handed._make(grant))
+            _waiting.waiters.hand(self._source.database, self._schema, self._name, holder,
+                                  _waiting.Handed._make(grant))
         return found
 
     def _wait_and_acquire(self, timeout: float | None, closed: _ttl.Closed) -> bool:
@@ -396,7 +397,7 @@ class Lease(_base.BaseLock, _ttl.Held):
         """Queue in the database (``acquire_v4``) and wait there for a grant handed over by a
         release or a takeover, heartbeating; queue again at the tail if skipped as dead."""
         _waiting.listen(_lease_rows.LEASES, self._source, self._schema, deadline)
-        slot = _waiting.waiters.expect(self._qkey, self._holder)
+        slot = _waiting.waiters.expect(self._qkey, self._holder, self._source.database)
         try:
             while not closed():
                 row = self._attempt(remaining(deadline), v4=True)

@@ -85,7 +85,7 @@ class Slot:
     """A lease waiter of this process queued in the database: the grants handed to it (by
     waiter id, from a NOTIFY or a local release) and a poke (heartbeat now)."""
 
-    __slots__ = ("cond", "grants", "lined", "poked", "waiter")
+    __slots__ = ("cond", "grants", "hkey", "lined", "poked", "waiter")
 
     def __init__(self, lock: threading.Lock) -> None:
         self.cond = threading.Condition(lock)  # also its ticket in the name's process queue
@@ -93,6 +93,7 @@ class Slot:
         self.poked = False
         self.lined = False
         self.waiter: int | None = None
+        self.hkey: Key = ()  # (database, schema, name, holder): where grants find it
 
 
 class _Queue:
@@ -113,13 +114,15 @@ class _Queue:
 
 
 class _Listener:
-    """One LISTEN connection for a (source, schema, channel) and the thread that reads it."""
+    """One LISTEN connection for a (source, schema, channel) and the thread that reads it;
+    pools made with the same settings share it, under a key each (:attr:`keys`)."""
 
     def __init__(self, rows: Rows, source: Source, schema: str, deadline: float) -> None:
         self.rows = rows
         self.source = source
         self.channel = rows.channel(schema)
         self.key = (source.key, schema, self.channel)
+        self.keys: tuple[Key, ...] = (self.key,)  # replaced whole: read without the lock
         self.healthy = False
         self.stopped = False
         self.conn: psycopg.Connection[Any] | None = None
@@ -158,17 +161,17 @@ class _Listener:
                         waiters.stop_listener_if_idle(self, idle_for=None)
                         continue
                     backoff = 0.1
-                    waiters.wake_all(self.key)  # releases may have gone unheard meanwhile
+                    waiters.wake_all(self.keys)  # releases may have gone unheard meanwhile
                 try:
                     for n in conn.notifies(timeout=_LISTENER_TICK):
                         if n.channel == self.channel:
-                            waiters.on_notify(self.key, n.payload)
+                            waiters.on_notify(self, n.payload)
                 except Exception as exc:
                     self.rows.log.info("%s listener lost its connection (%r)", self.rows.user, exc)
                     self._drop()
-                    waiters.wake_all(self.key)
+                    waiters.wake_all(self.keys)
                     continue
-                if waiters.has_waiters(self.key):
+                if waiters.has_waiters(self.keys):
                     idle_since = time.monotonic()
                 else:
                     waiters.stop_listener_if_idle(self, time.monotonic() - idle_since)
@@ -190,11 +193,17 @@ class _Waiters:
         self.rng = random.Random()
         #: Waiters queued in the database, by queue key and holder id.
         self.slots: dict[Key, dict[str, Slot]] = {}
+        #: The same, by (database identity, schema, name, holder id): a release hands the lease
+        #: to a waiter of this process whichever source (pool) that waiter uses.
+        self.handed: dict[Key, Slot] = {}
 
-    def expect(self, key: Key, holder: str) -> Slot:
-        """A slot for the grants handed to ``holder`` waiting for the name of ``key``."""
+    def expect(self, key: Key, holder: str, database: object) -> Slot:
+        """A slot for the grants handed to ``holder`` waiting for the name of ``key`` (a
+        source of ``database``)."""
         with self.lock:
             slot = self.slots.setdefault(key, {}).setdefault(holder, Slot(self.lock))
+            slot.hkey = (database, key[1], key[3], holder)
+            self.handed[slot.hkey] = slot
             self.waiting[key[:3]] += 1
             return slot
 
@@ -211,6 +220,8 @@ class _Waiters:
         with self.lock:
             slots = self.slots.get(key, {})
             if (slot := slots.pop(holder, None)) is not None:
+                if self.handed.get(slot.hkey) is slot:
+                    del self.handed[slot.hkey]
                 self.waiting[key[:3]] -= 1
                 if not self.waiting[key[:3]]:
                     del self.waiting[key[:3]]
@@ -224,10 +235,11 @@ class _Waiters:
                     if not self.queues[key]:
                         del self.queues[key]
 
-    def deliver(self, key: Key, holder: str, grant: Handed) -> None:
-        """A grant handed to ``holder`` on the name of ``key``: its waiter, if here, takes it."""
+    def hand(self, database: object, schema: str, name: str, holder: str, grant: Handed) -> None:
+        """A grant handed to ``holder`` (by a NOTIFY, or a local release before its NOTIFY
+        arrives): its waiter takes it, if in this process (on any source of ``database``)."""
         with self.lock:
-            if (slot := self.slots.get(key, {}).get(holder)) is not None:
+            if (slot := self.handed.get((database, schema, name, holder))) is not None:
                 slot.grants[grant.waiter] = grant
                 slot.cond.notify()
 
@@ -297,20 +309,22 @@ class _Waiters:
                 ticket.wait(left)
             return q.version != seen
 
-    def on_notify(self, lkey: Key, payload: str) -> None:
+    def on_notify(self, lst: _Listener, payload: str) -> None:
         if (grant := parse_grant(payload)) is not None:
-            self.deliver((*lkey, grant[0]), grant[1], grant[2])
+            self.hand(lst.source.database, lst.key[1], *grant)
             return
         with self.lock:
-            for q in self.queues.get((*lkey, payload), {}).values():
-                q.wake_head()
-            self._poke(lkey, payload)
+            for lkey in lst.keys:
+                for q in self.queues.get((*lkey, payload), {}).values():
+                    q.wake_head()
+                self._poke(lkey, payload)
 
-    def wake_all(self, lkey: Key) -> None:
+    def wake_all(self, lkeys: tuple[Key, ...]) -> None:
         with self.lock:
-            self._poke(lkey, None)
-            for q in [q for k, qs in self.queues.items() if k[:3] == lkey for q in qs.values()]:
-                q.wake_head()
+            for lkey in lkeys:
+                self._poke(lkey, None)
+                for q in [q for k, qs in self.queues.items() if k[:3] == lkey for q in qs.values()]:
+                    q.wake_head()
 
     def hold(self, key: Key, holder: object) -> None:
         """A grant of this process holds the name of the shared queue ``key`` (if any)."""
@@ -330,9 +344,9 @@ class _Waiters:
             if not (notified and lst is not None and lst.healthy):
                 q.wake_head()
 
-    def has_waiters(self, lkey: Key) -> bool:
+    def has_waiters(self, lkeys: tuple[Key, ...]) -> bool:
         with self.lock:
-            return lkey in self.waiting
+            return any(k in self.waiting for k in lkeys)
 
     def listener(
         self, rows: Rows, source: Source, schema: str, deadline: float
@@ -345,6 +359,8 @@ class _Waiters:
         with self.listener_create:  # one connect at a time; the others find it made
             if (lst := self.listeners.get(key)) is not None:
                 return lst, False
+            if (lst := self._shared(source, key)) is not None:
+                return lst, True  # new to this source: a release before now went unheard
             try:
                 lst = _Listener(rows, source, schema, deadline)
             except Exception as exc:
@@ -357,14 +373,29 @@ class _Waiters:
             lst.thread.start()
             return lst, True
 
+    def _shared(self, source: Source, key: Key) -> _Listener | None:
+        """A running listener of another pool with the same connection settings, now also
+        this one's: one LISTEN connection (and one wake-up per NOTIFY) for them all."""
+        if (same := _settings(source)) is None:
+            return None
+        with self.lock:
+            for lst in self.listeners.values():
+                if lst.key[1:] == key[1:] and _settings(lst.source) == same and not lst.stopped:
+                    lst.keys = (*lst.keys, key)
+                    self.listeners[key] = lst
+                    return lst
+        return None
+
     def stop_listener_if_idle(self, lst: _Listener, idle_for: float | None) -> None:
         """Stop ``lst`` if nobody waits (and, given ``idle_for``, for long enough): it closes
         its connection within a tick."""
         with self.lock:
-            if lst.key in self.waiting or (idle_for is not None and idle_for < LISTENER_IDLE):
+            busy = any(k in self.waiting for k in lst.keys)
+            if busy or (idle_for is not None and idle_for < LISTENER_IDLE):
                 return
-            if self.listeners.get(lst.key) is lst:
-                del self.listeners[lst.key]
+            for k in lst.keys:
+                if self.listeners.get(k) is lst:
+                    del self.listeners[k]
             lst.healthy = False
             lst.stopped = True
 
@@ -378,6 +409,16 @@ class _Waiters:
             return self.rng.uniform(*FALLBACK_POLL)
         low, high = DEGRADED_POLL
         return self.rng.uniform(0.5, 1.0) * min(high, low * 2.0 ** min(polls, 30))
+
+
+def _settings(source: Source) -> tuple[Any, ...] | None:
+    """What a pool's connections are made with, when that is plain data (else None)."""
+    pool: Any = getattr(source, "pool", None)
+    kwargs = getattr(pool, "kwargs", None)
+    conninfo = getattr(pool, "conninfo", None)
+    if not isinstance(conninfo, str) or not isinstance(kwargs, (dict, type(None))):
+        return None
+    return pool.__class__, pool.connection_class, conninfo, repr(sorted((kwargs or {}).items()))
 
 
 def wait(
