@@ -145,34 +145,32 @@ BEGIN
             '0 < liveness <= 60 seconds)';
     END IF;
     FOR i IN 1..4 LOOP
+        IF NOT EXISTS (SELECT 1 FROM {s}.lease_waiter AS w WHERE w.name = p_name) THEN
+            -- Nobody queued, live or dead: 0001's acquire of a free name, inline, tried first
+            -- (a name held by anyone makes the insert do nothing). Its comments say why the
+            -- token and the clock are read only once the row is ours: the insert may wait for
+            -- a concurrent grant or release of the name. A waiter that queues meanwhile,
+            -- unseen here, is handed the lease by its heartbeat's takeover once this grant ends.
+            INSERT INTO {s}.lease AS l (name, holder, token, acquired_at, expires_at, metadata)
+            VALUES (p_name, p_holder, 0, '-infinity', '-infinity', p_metadata)
+            ON CONFLICT (name) DO NOTHING;
+            IF FOUND THEN
+                IF NOT p_durable THEN
+                    PERFORM set_config('synchronous_commit', 'off', true);
+                END IF;
+                v_now := clock_timestamp();
+                UPDATE {s}.lease AS l
+                   SET token = nextval({seq}::regclass), acquired_at = v_now,
+                       expires_at = v_now + make_interval(secs => p_ttl)
+                 WHERE l.name = p_name
+                RETURNING l.token, l.expires_at INTO v_token, v_expires;
+                RETURN QUERY SELECT true, p_holder, v_token, v_now, v_expires, v_now,
+                                    NULL::bigint;
+                RETURN;
+            END IF;
+        END IF;
         SELECT l.holder, l.token, l.expires_at INTO v_holder, v_token, v_expires
           FROM {s}.lease AS l WHERE l.name = p_name;
-        IF NOT FOUND AND NOT EXISTS (SELECT 1 FROM {s}.lease_waiter AS w WHERE w.name = p_name)
-        THEN
-            -- Free and nobody queued, live or dead: 0001's acquire of a free name, inline (its
-            -- comments say why the token and the clock are read only once the row is ours:
-            -- the insert may wait for a concurrent grant or release of the name). A waiter
-            -- that queues meanwhile, unseen here, is handed the lease by its heartbeat's
-            -- takeover once this grant ends.
-            IF NOT p_durable THEN
-                PERFORM set_config('synchronous_commit', 'off', true);
-            END IF;
-            v_now := clock_timestamp();
-            INSERT INTO {s}.lease AS l (name, holder, token, acquired_at, expires_at, metadata)
-            VALUES (p_name, p_holder, 0, v_now, v_now, p_metadata)
-            ON CONFLICT (name) DO NOTHING;
-            IF NOT FOUND THEN
-                CONTINUE;  -- granted to someone else meanwhile: look again
-            END IF;
-            v_now := clock_timestamp();
-            UPDATE {s}.lease AS l
-               SET token = nextval({seq}::regclass), acquired_at = v_now,
-                   expires_at = v_now + make_interval(secs => p_ttl)
-             WHERE l.name = p_name
-            RETURNING l.token, l.expires_at INTO v_token, v_expires;
-            RETURN QUERY SELECT true, p_holder, v_token, v_now, v_expires, v_now, NULL::bigint;
-            RETURN;
-        END IF;
         IF NOT FOUND OR v_expires <= clock_timestamp() OR v_holder = p_holder THEN
             SELECT w.holder INTO v_head FROM {s}.lease_waiter AS w
              WHERE w.name = p_name AND w.alive_until > clock_timestamp() ORDER BY w.id LIMIT 1;
