@@ -13,6 +13,7 @@ import statistics
 import tempfile
 import threading
 import time
+import types
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -240,6 +241,20 @@ class StatementCounter:
         wrap(_cursor_base.BaseCursor, "_execute_gen")
         wrap(psycopg.Cursor, "executemany")
         wrap(_connection_base.BaseConnection, "_exec_command")
+        # pglock's statements sent straight through libpq (pglock._conn) run psycopg's execute
+        # generator by itself: counted at pglock's own reference to psycopg's generators.
+        from pglock import _conn
+
+        counted = types.SimpleNamespace(**vars(_conn.generators))
+        orig_execute = _conn.generators.execute
+
+        def execute(*args: Any, **kwargs: Any) -> Any:
+            bump()
+            return orig_execute(*args, **kwargs)
+
+        counted.execute = execute
+        self._saved.append((_conn, "generators", _conn.generators))
+        _conn.generators = counted  # type: ignore[assignment]
         return self
 
     def __exit__(self, *exc: object) -> None:

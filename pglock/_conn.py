@@ -6,6 +6,7 @@ is pglock's per-connection bookkeeping (in a weak registry).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import select
 import struct
@@ -14,6 +15,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from functools import lru_cache
 from typing import Any, TypeVar
 
@@ -200,12 +202,15 @@ def cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[tuple[Any, ...]]:
 
 def fetch(
     conn: psycopg.Connection[Any], query: Query, params: Sequence[Any] | None = None, *,
-    binary: bool = False, flight: Flight | None = None,
+    binary: bool = False, flight: Flight | None = None, libpq: bool = False,
 ) -> list[list[tuple[Any, ...]]]:
     """Execute ``query`` on pglock's own cursor (cancellable by ``flight``); the rows of every
     statement that returns rows, in order. Errors pass unchanged (see :func:`translate`). Without
     ``params`` a query may hold several ``;``-joined statements (never prepared). ``binary`` asks
-    for binary results, except with client-side binding (``%b`` becomes ``%s``)."""
+    for binary results, except with client-side binding (``%b`` becomes ``%s``). ``libpq``: one
+    statement (scalar parameters) sent by :func:`_libpq_rows` where :func:`direct` allows."""
+    if libpq and params is not None and isinstance(query, bytes) and direct(conn):
+        return [_libpq_rows(conn, query, params)]
     cur = cursor(conn)
     kwargs: dict[str, bool] = {}
     if params is None:
@@ -233,6 +238,48 @@ def fetch(
 @lru_cache(maxsize=16)
 def _text_placeholders(query: bytes) -> bytes:
     return query.replace(b"%b", b"%s")
+
+
+@lru_cache(maxsize=64)
+def _numbered(query: bytes) -> bytes:
+    """``query`` with ``$n`` placeholders instead of ``%s``."""
+    parts = query.split(b"%s")
+    return parts[0] + b"".join(b"$%d%s" % (n, p) for n, p in enumerate(parts[1:], 1))
+
+
+def _libpq_rows(
+    conn: psycopg.Connection[Any], query: bytes, params: Sequence[Any]
+) -> list[tuple[Any, ...]]:
+    """One statement straight through libpq: parameters in text (None, bool, int, float,
+    str), rows decoded from binary (:data:`_DECODE`) as psycopg's loaders would; prepared as
+    :func:`call`'s are, unless the owner set ``prepare_threshold=None`` (PgBouncer < 1.21)."""
+    info = conn.info
+    values = [
+        None if p is None else p.encode(info.encoding) if type(p) is str
+        else (b"t" if p else b"f") if type(p) is bool else b"%r" % p
+        for p in params
+    ]
+    text = _numbered(query)
+    pgconn = conn.pgconn
+    with conn.lock:
+        _check_sendable(pgconn)
+        if conn.prepare_threshold is None or pgconn.transaction_status != IDLE:
+            pgconn.send_query_params(text, values, None, None, _BINARY)
+            res = conn.wait(generators.execute(pgconn))[-1]
+        else:
+            res = _send_prepared(conn, text, values, None, None, state_for(conn).prepared)[-1]
+    if res.status != _TUPLES_OK:
+        if res.status == _FATAL_ERROR:
+            raise pg_errors.error_from_result(res, encoding=info.encoding)
+        raise psycopg.ProgrammingError(f"no rows from {text!r}")
+    decoders = [_DECODE[res.ftype(c)] for c in range(res.nfields)]
+    return [
+        tuple(
+            None if (v := res.get_value(r, c)) is None else f(v, info)
+            for c, f in enumerate(decoders)
+        )
+        for r in range(res.ntuples)
+    ]
 
 
 def run(
@@ -277,6 +324,26 @@ _INT8, _UNPACK_INT8 = struct.Struct("!q").pack, struct.Struct("!q").unpack
 _INT8_OID, _INT8_ARRAY_OID = 20, 1016
 _BINARY, _TEXT = Format.BINARY, Format.TEXT
 Param = int | Sequence[int]
+_FLOAT8 = struct.Struct("!d")
+_PG_EPOCH = datetime(2000, 1, 1, tzinfo=timezone.utc)
+
+
+def _timestamptz(v: bytes, info: Any) -> datetime:
+    try:
+        return (_PG_EPOCH + timedelta(microseconds=_UNPACK_INT8(v)[0])).astimezone(info.timezone)
+    except OverflowError:
+        raise psycopg.DataError("timestamp out of Python's range (infinity?)") from None
+
+
+#: Binary result decoders by type oid: bool, bigint, text, float8, timestamptz, jsonb.
+_DECODE: dict[int, Callable[[bytes, Any], Any]] = {
+    16: lambda v, _: v == b"\x01",
+    20: lambda v, _: _UNPACK_INT8(v)[0],
+    25: lambda v, info: v.decode(info.encoding),
+    701: lambda v, _: _FLOAT8.unpack(v)[0],
+    1184: _timestamptz,
+    3802: lambda v, _: json.loads(v[1:]),  # after the format's version byte (1)
+}
 
 
 def direct(conn: psycopg.Connection[Any]) -> bool:
@@ -360,8 +427,8 @@ def _call(
 
 
 def _send_prepared(
-    conn: psycopg.Connection[Any], query: bytes, values: list[bytes], types: list[int],
-    formats: list[Format], prepared: set[bytes],
+    conn: psycopg.Connection[Any], query: bytes, values: Sequence[bytes | None],
+    types: Sequence[int] | None, formats: Sequence[Format] | None, prepared: set[bytes],
 ) -> list[PGresult]:
     """Execute ``query`` as a statement prepared on the connection (once), outside a
     transaction: parsed and planned once, not at every lock. Prepared again when it is gone

@@ -5,14 +5,12 @@ transaction, and the introspection of leases: :class:`LeaseInfo`, :func:`lease_i
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from typing import Any, NamedTuple
 
 import psycopg
-from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 from . import _conn, _sql, _ttl
@@ -87,24 +85,9 @@ class LeaseInfo:
     expires_in: float
 
 
-_STATEMENTS: dict[str, Callable[[str], sql.Composed]] = {
-    "acquire": _sql.lease_acquire,
-    "extend": _sql.lease_extend,
-    "extend_many": _sql.lease_extend_many,
-    "release": _sql.lease_release,
-    "guard": _sql.lease_guard,
-    "info": _sql.lease_info,
-    "list": _sql.lease_list,
-    "acquire_v4": _sql.lease_acquire_v4,
-    "release_v4": _sql.lease_release_v4,
-    "wait_v4": _sql.lease_wait_v4,
-    "leave_v4": _sql.lease_leave_v4,
-}
-
-
 @lru_cache(maxsize=64)
 def stmt(kind: str, schema: str) -> bytes:
-    return _STATEMENTS[kind](schema).as_bytes(None)
+    return _sql.lease_statement(kind, schema).as_bytes(None)
 
 
 def run(
@@ -131,6 +114,7 @@ def run_once_more(
         return _ttl.run(  # logged by its name: "acquire", "release", "wait", "leave"
             LEASES, source, kind.removesuffix("_v4"), schema, stmt(kind, schema), params,
             binary=kind == "extend_many", timeout=timeout, deadline=deadline,
+            libpq=kind != "extend_many",  # scalar parameters
         )
     except SchemaNotInstalled as exc:
         if not v4:

@@ -474,100 +474,47 @@ def semaphore_info(schema: str, name: str) -> sql.Composed:
 # The lease functions are in pglock/sql/0001_leases.up.sql; each call is one statement.
 
 
-def lease_acquire(schema: str) -> sql.Composed:
-    """(name, holder, ttl, metadata json text, wait seconds, durable) -> one row:
-    granted, holder, token, acquired_at, expires_at, server_time."""
-    return sql.SQL(
-        "SELECT granted, holder, token, acquired_at, expires_at, server_time"
-        " FROM {}.acquire(%s::text, %s::text, %s::float8, %s::jsonb, %s::float8, %s::boolean)"
-    ).format(sql.Identifier(schema))
+#: Lease statements by kind: (function, result columns or "" for its one value, parameter
+#: types; ``%b``: sent in binary). Revision 0004's ``_v4`` functions (pglock/sql/0004_*) queue
+#: waiters: acquire_v4 adds liveness seconds and returns waiter_id (not NULL: queued).
+LEASE_STATEMENTS = {
+    # (name, holder, ttl, metadata json text, wait seconds, durable) -> one row
+    "acquire": ("acquire", "granted, holder, token, acquired_at, expires_at, server_time",
+                "text text float8 jsonb float8 boolean"),
+    "acquire_v4": ("acquire_v4", "granted, holder, token, acquired_at, expires_at, server_time, "
+                   "waiter_id", "text text float8 jsonb float8 boolean float8"),
+    # (name, holder, token or NULL for any, ttl, durable) -> zero or one row
+    "extend": ("extend", "token, acquired_at, expires_at, metadata",
+               "text text bigint float8 boolean"),
+    # (names[], holders[], tokens[], ttls[], durable, wait seconds) -> the leases renewed (the
+    # arrays in binary: text dumping would quote-scan every element of a 10,000-lease round)
+    "extend_many": ("extend_many", "name, token, expires_at",
+                    "text[]%b text[]%b bigint[]%b float8[]%b boolean float8"),
+    # (name, holder, token) -> status ('released', 'expired', 'not_held'), notified; _v4: and the
+    # grant it handed to the first live waiter in the same transaction
+    "release": ("release", "status, notified", "text text bigint"),
+    "release_v4": ("release_v4", "status, notified, next_holder, next_token, next_waiter, "
+                   "next_acquired_at, next_expires_at", "text text bigint"),
+    # (name, holder, waiter_id, liveness) -> state ('waiting', 'granted', 'gone') and its grant
+    "wait_v4": ("wait_v4", "state, ahead, token, acquired_at, expires_at, server_time",
+                "text text bigint float8"),
+    "leave_v4": ("leave_v4", "", "text text bigint"),  # -> whether the waiter row was there
+    "guard": ("guard", "", "text text bigint"),  # -> held; its row locked until the txn ends
+    # (name) -> the live lease of that name, if any; (prefix or NULL) -> every live lease
+    "info": ("info", "name, holder, token, acquired_at, expires_at, metadata, expires_in", "text"),
+    "list": ("leases", "name, holder, token, acquired_at, expires_at, metadata, expires_in",
+             "text"),
+}
 
 
-def lease_extend(schema: str) -> sql.Composed:
-    """(name, holder, token or NULL for any, ttl, durable) -> zero or one row:
-    token, acquired_at, expires_at, metadata."""
-    return sql.SQL(
-        "SELECT token, acquired_at, expires_at, metadata"
-        " FROM {}.extend(%s::text, %s::text, %s::bigint, %s::float8, %s::boolean)"
-    ).format(sql.Identifier(schema))
-
-
-def lease_extend_many(schema: str) -> sql.Composed:
-    """(names[], holders[], tokens[], ttls[], durable, wait seconds) -> the (name, token,
-    expires_at) of every lease renewed; the missing ones are no longer held. The arrays go in
-    binary: text dumping would quote-scan every element of a 10,000-lease round."""
-    return sql.SQL(
-        "SELECT name, token, expires_at FROM {}.extend_many("
-        "%b::text[], %b::text[], %b::bigint[], %b::float8[], %s::boolean, %s::float8)"
-    ).format(sql.Identifier(schema))
-
-
-def lease_release(schema: str) -> sql.Composed:
-    """(name, holder, token) -> one row: status ('released', 'expired', 'not_held'), notified."""
-    return sql.SQL(
-        "SELECT status, notified FROM {}.release(%s::text, %s::text, %s::bigint)"
-    ).format(sql.Identifier(schema))
-
-
-# Revision 0004 (pglock/sql/0004_lease_queue.up.sql): the waiter queue and direct handoff.
-
-
-def lease_acquire_v4(schema: str) -> sql.Composed:
-    """``lease_acquire``'s parameters and liveness seconds -> its row and waiter_id (not NULL:
-    queued, to be handed the lease)."""
-    return sql.SQL(
-        "SELECT granted, holder, token, acquired_at, expires_at, server_time, waiter_id"
-        " FROM {}.acquire_v4(%s::text, %s::text, %s::float8, %s::jsonb, %s::float8, %s::boolean,"
-        " %s::float8)"
-    ).format(sql.Identifier(schema))
-
-
-def lease_release_v4(schema: str) -> sql.Composed:
-    """(name, holder, token) -> one row: status, notified, and the grant it handed to the first
-    live waiter (next_holder, next_token, next_waiter, next_acquired_at, next_expires_at)."""
-    return sql.SQL(
-        "SELECT status, notified, next_holder, next_token, next_waiter, next_acquired_at,"
-        " next_expires_at FROM {}.release_v4(%s::text, %s::text, %s::bigint)"
-    ).format(sql.Identifier(schema))
-
-
-def lease_wait_v4(schema: str) -> sql.Composed:
-    """(name, holder, waiter_id, liveness) -> one row: state ('waiting', 'granted', 'gone'),
-    ahead, token, acquired_at, expires_at, server_time."""
-    return sql.SQL(
-        "SELECT state, ahead, token, acquired_at, expires_at, server_time"
-        " FROM {}.wait_v4(%s::text, %s::text, %s::bigint, %s::float8)"
-    ).format(sql.Identifier(schema))
-
-
-def lease_leave_v4(schema: str) -> sql.Composed:
-    """(name, holder, waiter_id) -> whether the waiter row was still there."""
-    return sql.SQL("SELECT {}.leave_v4(%s::text, %s::text, %s::bigint)").format(
-        sql.Identifier(schema)
-    )
-
-
-def lease_guard(schema: str) -> sql.Composed:
-    """(name, holder, token) -> one boolean; locks the lease row until the transaction ends."""
-    return sql.SQL("SELECT {}.guard(%s::text, %s::text, %s::bigint)").format(
-        sql.Identifier(schema)
-    )
-
-
-def lease_info(schema: str) -> sql.Composed:
-    """(name) -> the live lease of that name, if any."""
-    return sql.SQL(
-        "SELECT name, holder, token, acquired_at, expires_at, metadata, expires_in"
-        " FROM {}.info(%s::text)"
-    ).format(sql.Identifier(schema))
-
-
-def lease_list(schema: str) -> sql.Composed:
-    """(prefix or NULL) -> every live lease, by name."""
-    return sql.SQL(
-        "SELECT name, holder, token, acquired_at, expires_at, metadata, expires_in"
-        " FROM {}.leases(%s::text)"
-    ).format(sql.Identifier(schema))
+def lease_statement(kind: str, schema: str) -> sql.Composed:
+    """The statement of lease ``kind`` (:data:`LEASE_STATEMENTS`) in ``schema``."""
+    function, columns, types = LEASE_STATEMENTS[kind]
+    args = ", ".join(f"%b::{t[:-2]}" if t.endswith("%b") else f"%s::{t}" for t in types.split())
+    call = sql.SQL("{}.{}(" + args + ")").format(sql.Identifier(schema), sql.SQL(function))
+    if not columns:
+        return sql.SQL("SELECT {}").format(call)
+    return sql.SQL("SELECT {} FROM {}").format(sql.SQL(columns), call)
 
 
 # A lease statement that failed with a serialization failure or a deadlock (possible under a

@@ -4,9 +4,11 @@ a grant is registered for renewal (:mod:`._keepalive`) and waited for (:mod:`._w
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import random
 import time
+from collections.abc import Iterator
 from typing import Any, NoReturn
 
 import psycopg
@@ -38,7 +40,7 @@ __all__ = ["Attempt", "Closed", "Held", "Rows", "call_soon", "wait", "wake"]
 def run(
     rows: Rows, source: Source, kind: str, schema: str, query: Query,
     params: tuple[Any, ...] | None = None, *, binary: bool = False,
-    timeout: float | None = None, deadline: float | None = None,
+    timeout: float | None = None, deadline: float | None = None, libpq: bool = False,
 ) -> tuple[Result, bool]:
     """Send one statement of ``rows`` in autocommit on a connection of its own from ``source``;
     return the rows of its last row-returning statement and whether it was sent a second time
@@ -47,39 +49,49 @@ def run(
     :param params: of one statement, sent again at READ COMMITTED when the session's own
         timeouts or isolation level fail it. None: ``query`` is a batch with its values as
         literals and its own ``BEGIN ...; COMMIT``, sent as it is.
+    :param libpq: scalar ``params``, sent by :func:`pglock._conn.fetch` through libpq.
     :raises pglock.SchemaNotInstalled: the schema's objects are missing.
     """
     return source.run_once_more(
-        lambda conn: _execute(conn, rows, kind, schema, query, params, binary),
+        lambda conn: _execute(conn, rows, kind, schema, query, params, binary, libpq),
         rows.user, kind, timeout, deadline,
     )
 
 
 def _execute(
     conn: psycopg.Connection[Any], rows: Rows, kind: str, schema: str, query: Query,
-    params: tuple[Any, ...] | None, binary: bool,
+    params: tuple[Any, ...] | None, binary: bool, libpq: bool,
 ) -> Result:
-    if conn.info.transaction_status != TransactionStatus.IDLE:
+    if conn.pgconn.transaction_status != TransactionStatus.IDLE:
         raise InvalidConnectionState(
             f"the pool handed out a connection inside a transaction; pglock runs {rows.user} "
             "statements in their own transactions"
         )
-    restore = not conn.autocommit
-    if restore:
-        conn.autocommit = True
+    libpq = libpq and params is not None and _conn.direct(conn)
     try:
-        if params is not None:
-            return _with_retries(conn, rows, kind, query, params, binary)
-        try:
-            results = _conn.fetch(conn, query)
-        except psycopg.Error:
-            _rollback(conn)  # a batch that failed inside its own transaction
-            raise
-        return results[-1] if results else []
+        with contextlib.nullcontext() if libpq else _autocommit(conn):
+            if params is not None:
+                return _with_retries(conn, rows, kind, query, params, binary, libpq)
+            try:
+                results = _conn.fetch(conn, query)
+            except psycopg.Error:
+                _rollback(conn)  # a batch that failed inside its own transaction
+                raise
+            return results[-1] if results else []
     except psycopg.Error as exc:
         raise_translated(exc, conn, schema)
+
+
+@contextlib.contextmanager
+def _autocommit(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """Autocommit on meanwhile (client-side only on an idle connection), restored after."""
+    flip = not conn.autocommit
+    if flip:
+        conn.autocommit = True
+    try:
+        yield
     finally:
-        if restore and not (conn.closed or conn.broken):
+        if flip and not (conn.closed or conn.broken):
             try:
                 conn.autocommit = False
             except psycopg.Error:
@@ -88,14 +100,15 @@ def _execute(
 
 def _with_retries(
     conn: psycopg.Connection[Any], rows: Rows, kind: str, query: Query, params: tuple[Any, ...],
-    binary: bool,
+    binary: bool, libpq: bool,
 ) -> Result:
     state = _conn.state_for(conn)
     for attempt in range(_RETRIES + 1):
         try:
             if attempt == 0 and not state.session_timeouts:
-                return _conn.fetch(conn, query, params, binary=binary)[0]
-            return _read_committed(conn, rows, query, params, binary)
+                return _conn.fetch(conn, query, params, binary=binary, libpq=libpq)[0]
+            with _autocommit(conn):
+                return _read_committed(conn, rows, query, params, binary)
         except (pg_errors.QueryCanceled, pg_errors.LockNotAvailable):
             # The session's own statement_timeout or lock_timeout (ALTER ROLE ... SET) must not
             # end pglock's wait: sent again with them off, from now on. With none it was a cancel.
@@ -133,7 +146,8 @@ def _read_committed(
 def _has_session_timeouts(conn: psycopg.Connection[Any]) -> bool:
     if conn.closed or conn.broken or conn.info.transaction_status != TransactionStatus.IDLE:
         return False
-    return bool(_conn.fetch(conn, _sql.SESSION_TIMEOUTS)[0][0][0])
+    with _autocommit(conn):
+        return bool(_conn.fetch(conn, _sql.SESSION_TIMEOUTS)[0][0][0])
 
 
 def _rollback(conn: psycopg.Connection[Any]) -> None:

@@ -134,6 +134,7 @@ DECLARE
     v_expires timestamptz;
     v_head text;
     v_id bigint;
+    v_now timestamptz;
     v_handed boolean := false;
 BEGIN
     IF p_name IS NULL OR p_name = '' OR p_holder IS NULL OR p_holder = ''
@@ -144,6 +145,30 @@ BEGIN
             '0 < liveness <= 60 seconds)';
     END IF;
     FOR i IN 1..4 LOOP
+        IF NOT EXISTS (SELECT 1 FROM {s}.lease_waiter AS w WHERE w.name = p_name) THEN
+            -- Nobody queued, live or dead: 0001's acquire of a free name, inline, tried first
+            -- (a name held by anyone makes the insert do nothing). Its comments say why the
+            -- token and the clock are read only once the row is ours: the insert may wait for
+            -- a concurrent grant or release of the name. A waiter that queues meanwhile,
+            -- unseen here, is handed the lease by its heartbeat's takeover once this grant ends.
+            INSERT INTO {s}.lease AS l (name, holder, token, acquired_at, expires_at, metadata)
+            VALUES (p_name, p_holder, 0, '-infinity', '-infinity', p_metadata)
+            ON CONFLICT (name) DO NOTHING;
+            IF FOUND THEN
+                IF NOT p_durable THEN
+                    PERFORM set_config('synchronous_commit', 'off', true);
+                END IF;
+                v_now := clock_timestamp();
+                UPDATE {s}.lease AS l
+                   SET token = nextval({seq}::regclass), acquired_at = v_now,
+                       expires_at = v_now + make_interval(secs => p_ttl)
+                 WHERE l.name = p_name
+                RETURNING l.token, l.expires_at INTO v_token, v_expires;
+                RETURN QUERY SELECT true, p_holder, v_token, v_now, v_expires, v_now,
+                                    NULL::bigint;
+                RETURN;
+            END IF;
+        END IF;
         SELECT l.holder, l.token, l.expires_at INTO v_holder, v_token, v_expires
           FROM {s}.lease AS l WHERE l.name = p_name;
         IF NOT FOUND OR v_expires <= clock_timestamp() OR v_holder = p_holder THEN
@@ -152,9 +177,16 @@ BEGIN
             IF v_head IS NULL OR v_head = p_holder
                OR (v_holder = p_holder AND v_expires > clock_timestamp()) THEN
                 -- Nobody live queued ahead (or this holder holds it): as 0001's acquire does.
-                DELETE FROM {s}.lease_waiter AS w WHERE w.name = p_name AND w.holder = p_holder;
+                -- Its own waiter row goes, and dead ones too (a release hands over only when
+                -- the row's waiters flag says someone queued: set it for those still behind).
+                DELETE FROM {s}.lease_waiter AS w
+                 WHERE w.name = p_name
+                   AND (w.holder = p_holder OR w.alive_until <= clock_timestamp());
                 RETURN QUERY SELECT a.*, NULL::bigint
                   FROM {s}.acquire(p_name, p_holder, p_ttl, p_metadata, p_wait, p_durable) AS a;
+                UPDATE {s}.lease AS l SET waiters = true
+                 WHERE l.name = p_name AND l.holder = p_holder AND NOT l.waiters
+                   AND EXISTS (SELECT 1 FROM {s}.lease_waiter AS w WHERE w.name = p_name);
                 RETURN;
             END IF;
             -- FIFO: the live head goes first, this caller queues behind it.
@@ -200,6 +232,18 @@ DECLARE
     v_status text;
     v_next record;
 BEGIN
+    -- Nobody queued (a waiter sets the row's waiters flag in the transaction that queues it,
+    -- and a handover sets it while others wait): as 0001's release, one statement.
+    DELETE FROM {s}.lease AS l
+     WHERE l.name = p_name AND l.holder = p_holder AND l.token = p_token AND NOT l.waiters
+    RETURNING l.expires_at INTO v_expires;
+    IF FOUND THEN
+        PERFORM set_config('synchronous_commit', 'off', true);
+        RETURN QUERY SELECT CASE WHEN v_expires > clock_timestamp() THEN 'released'
+                                 ELSE 'expired' END, false, NULL::text, NULL::bigint,
+                            NULL::bigint, NULL::timestamptz, NULL::timestamptz;
+        RETURN;
+    END IF;
     SELECT l.expires_at, l.waiters INTO v_expires, v_waiters FROM {s}.lease AS l
      WHERE l.name = p_name AND l.holder = p_holder AND l.token = p_token
        FOR UPDATE;
