@@ -316,7 +316,7 @@ def soak(req: dict[str, Any]) -> dict[str, Any]:
         timeout = rng.choice([0.0, 0.05, 0.2])
         seq += 1
         op_id = f"{p}:{seq}"
-        log(p=p, name=name, f="acquire", ev="invoke")
+        log(p=p, name=name, f="acquire", ev="invoke", op=op_id)
         try:
             ok, lock = _soak_acquire(conn, kind, name, timeout)
         except Exception as exc:
@@ -504,11 +504,11 @@ def lease_soak(req: dict[str, Any]) -> dict[str, Any]:
         lease = pglock.lease(  # type: ignore[attr-defined]
             req["source"], name, ttl=req["ttl"], holder=f"{req['app']}#{op_id}"
         )
-        log(p=p, name=name, f="acquire", ev="invoke")
+        log(p=p, name=name, f="acquire", ev="invoke", op=op_id)
         try:
             ok = lease.acquire(timeout=rng.choice(req["timeouts"]))
         except Exception as exc:
-            log(p=p, name=name, f="acquire", ev="info", error=type(exc).__name__,
+            log(p=p, name=name, f="acquire", ev="info", op=op_id, error=type(exc).__name__,
                 message=str(exc)[:200])
             time.sleep(0.05)  # the server is away (restart): do not pile up unknown outcomes
             continue

@@ -540,6 +540,37 @@ def load_lease_history(paths: list[Path]) -> tuple[dict[str, list[Op]], set[str]
     return per_name, acked, unknown, count
 
 
+def keep_histories(
+    paths: list[Path], name: str, ops: list[Op], grants: list[Grant], tmp: Path
+) -> Path:
+    """Copy a failed soak's raw histories, the rejected name's operations and its grant history
+    (JSON lines) to ``$PGLOCK_FAULT_ARTIFACTS/T35-<name>`` (default: under the test's tmp_path)."""
+    root = Path(os.environ.get("PGLOCK_FAULT_ARTIFACTS") or tmp / "artifacts")
+    out = root / f"T35-{name.replace(':', '_')}"
+    out.mkdir(parents=True, exist_ok=True)
+    for path in paths:
+        if path.exists():
+            (out / path.name).write_text(path.read_text())
+    with (out / "ops.jsonl").open("w") as f:
+        for op in ops:
+            f.write(json.dumps(op.__dict__) + "\n")
+    # Grants are on the database clock (epoch seconds), operations on the monotonic clock.
+    offset = time.time() - time.monotonic()
+    (out / "clock.json").write_text(json.dumps({"epoch_minus_monotonic": offset}))
+    with (out / "grants.jsonl").open("w") as f:
+        for g in grants:
+            f.write(json.dumps(g.__dict__) + "\n")
+    return out
+
+
+def assert_linearizable(
+    name: str, ops: list[Op], paths: list[Path], grants: list[Grant], tmp: Path
+) -> None:
+    if not check(ops):
+        kept = keep_histories(paths, name, ops, grants, tmp)
+        pytest.fail(f"history of {name} is not linearizable ({len(ops)} ops), kept in {kept}")
+
+
 def _killed(
     events: list[dict[str, Any]],
     pending: dict[str, dict[str, Any]],
@@ -619,13 +650,14 @@ def test_T35_soak_with_queued_lease_waiters_is_linearizable(
 
     per_name, acked, unknown, count = load_lease_history(histories)
     grants = 0
+    grant_log: dict[str, list[Grant]] = {}
     with psycopg.connect(queue_db.dsn(), autocommit=True) as admin:
         for name, oracle in zip(names, oracles, strict=True):
             verdict = oracle.check(admin, [], closed_only=True)
             assert verdict.overlaps == 0, (name, verdict.summary())
             assert verdict.tokens_increasing, (name, verdict.tokens[:20])
             assert len(set(verdict.ids)) == len(verdict.ids)
-            history = lease_grants(admin, name)
+            history = grant_log[name] = lease_grants(admin, name)
             assert grant_violations(history, run.app_of) == [], name
             grants += len(history)
         all_ids: set[str] = set()
@@ -637,7 +669,7 @@ def test_T35_soak_with_queued_lease_waiters_is_linearizable(
             oracle.drop(admin)
     started = time.monotonic()
     for name, ops in per_name.items():
-        assert check(ops), f"history of {name} is not linearizable ({len(ops)} ops)"
+        assert_linearizable(name, ops, histories, grant_log[name], tmp_path)
     bounds.record("T35", "lease", "WGL check of all histories", time.monotonic() - started)
     bounds.record("T35", "lease", "operations in the soak", float(count), "ops")
     bounds.record("T35", "lease", "grants in the audit log", float(grants), "grants")
