@@ -265,6 +265,38 @@ def test_grant_history_oracle_negative_controls() -> None:
     assert grant_violations(back, app) == ["token went back or repeated: 5 then 4"]
 
 
+def test_T35_model_negative_controls(tmp_path: Path) -> None:
+    """T35's lease model and quiet-grant oracle on hand-made histories (no database): a waiter
+    (process 2) handed the lease at 0.05 s that gives up at 0.5 s while a try-lock (process 3)
+    fails at 0.1 s. With a plain False the history is not linearizable and the grant log's grant
+    to process 2 is flagged; with a ``why`` (pglock said the outcome is open) both accept it."""
+
+    def history(why: str | None) -> list[Path]:
+        runs = {
+            "a": [("1", "acquire", "invoke", 0.0), ("1", "acquire", "ok", 0.01),
+                  ("1", "release", "invoke", 0.02), ("1", "release", "ok", 0.03)],
+            "b": [("2", "acquire", "invoke", 0.04), ("2", "acquire", "fail", 0.5)],
+            "c": [("3", "acquire", "invoke", 0.1), ("3", "acquire", "fail", 0.11)],
+        }
+        paths = []
+        for tag, events in runs.items():
+            path = tmp_path / f"{tag}-{why}.jsonl"
+            lines = [{"p": p, "name": "n", "f": f, "ev": ev, "t": t, "op": f"{p}:1",
+                      "acked": True, "why": why if p == "2" else None}
+                     for p, f, ev, t in events]
+            path.write_text("".join(json.dumps(e) + "\n" for e in lines))
+            paths.append(path)
+        return paths
+
+    grants = [Grant("app:S0#1:1", 1, 0.0, 1.0, 1, 0.03, "app:S0", 2),
+              Grant("app:S1#2:1", 2, 0.05, 1.05, 2, 0.49, "app:S1", 3)]
+    plain, said = history(None), history("its place in the queue was gone as it gave up")
+    assert not check(load_lease_history(plain)[0]["n"])
+    assert quiet_grants(plain, grants) == grants[1:]
+    assert check(load_lease_history(said)[0]["n"])
+    assert quiet_grants(said, grants) == []
+
+
 # --- T30 -----------------------------------------------------------------------------------
 
 
@@ -501,7 +533,11 @@ def load_lease_history(paths: list[Path]) -> tuple[dict[str, list[Op]], set[str]
     """As :func:`.test_soak.load_history`, for leases: a lease is not a session, so a failed
     release or acquire does not end it at once; it ends at some instant by the time its renewals
     stop counting (``SOAK_BOUND`` after the failure). A release refused with LockLost took
-    effect (expiry) at some instant since the acquire."""
+    effect (expiry) at some instant since the acquire. An acquire that returned False saying
+    why (``why``: no answer, a late grant given back, a wait given up as the lease was handed
+    to it; docs/leases.md) may have been granted meanwhile: an unknown outcome too, while a
+    plain False (somebody held it) is a definite fail, and :func:`quiet_grants` checks on the
+    grant log that pglock granted nothing to such a handle."""
     per_name: dict[str, list[Op]] = defaultdict(list)
     acked: set[str] = set()
     unknown: set[str] = set()
@@ -517,7 +553,7 @@ def load_lease_history(paths: list[Path]) -> tuple[dict[str, list[Op]], set[str]
             inv, name, p, t = pending.pop(ev["f"]), ev["name"], ev["p"], ev["t"]
             count += 1
             ops = per_name[name]
-            if ev["f"] == "acquire" and ev["ev"] == "info":
+            if ev["f"] == "acquire" and (ev["ev"] == "info" or ev.get("why")):
                 ops.append(Op(p, "acquire", inv["t"], t + SOAK_BOUND, "info"))
                 ops.append(Op(p, "release", inv["t"], t + SOAK_BOUND, "info"))
             elif ev["f"] == "acquire":
@@ -540,6 +576,28 @@ def load_lease_history(paths: list[Path]) -> tuple[dict[str, list[Op]], set[str]
     return per_name, acked, unknown, count
 
 
+def quiet_grants(paths: list[Path], grants: list[Grant]) -> list[Grant]:
+    """Grants (database truth) to a handle whose ``acquire()`` returned a plain False: a grant
+    pglock made to a waiter and then gave up without saying so (the model counts that acquire
+    as a definite fail)."""
+    quiet: set[str] = set()
+    for path in paths:
+        for line in path.read_text().splitlines():
+            ev = json.loads(line) if line.strip() else {}
+            if ev.get("f") == "acquire" and ev.get("ev") == "fail" and not ev.get("why"):
+                quiet.add(ev["op"])
+    return [g for g in grants if g.holder.split("#")[-1] in quiet]
+
+
+def assert_no_quiet_grants(
+    name: str, paths: list[Path], ops: list[Op], grants: list[Grant], tmp: Path
+) -> None:
+    if quiet := quiet_grants(paths, grants):
+        kept = keep_histories(paths, name, ops, grants, tmp)
+        pytest.fail(f"{name}: grants to handles whose acquire() returned False: {quiet[:3]}, "
+                    f"kept in {kept}")
+
+
 def keep_histories(
     paths: list[Path], name: str, ops: list[Op], grants: list[Grant], tmp: Path
 ) -> Path:
@@ -548,7 +606,8 @@ def keep_histories(
     root = Path(os.environ.get("PGLOCK_FAULT_ARTIFACTS") or tmp / "artifacts")
     out = root / f"T35-{name.replace(':', '_')}"
     out.mkdir(parents=True, exist_ok=True)
-    for path in paths:
+    logs = [Path(f"{p}.log") for p in paths]  # pglock's messages
+    for path in [*paths, *logs, tmp / "nemesis.jsonl"]:
         if path.exists():
             (out / path.name).write_text(path.read_text())
     with (out / "ops.jsonl").open("w") as f:
@@ -626,6 +685,7 @@ def test_T35_soak_with_queued_lease_waiters_is_linearizable(
         if action == "restart" and restarts >= 2:
             action = "terminate"
         i = rng.randrange(SOAK_PROCS)
+        began, pid = time.monotonic(), procs[i].pid
         if action == "terminate":
             with psycopg.connect(queue_db.dsn(), autocommit=True) as c:
                 c.execute(
@@ -644,6 +704,9 @@ def test_T35_soak_with_queued_lease_waiters_is_linearizable(
             queue_db.restart("immediate" if restarts else "fast")
             restarts += 1
         actions[action] += 1
+        with (tmp_path / "nemesis.jsonl").open("a") as f:
+            f.write(json.dumps({"t": began, "end": time.monotonic(), "action": action,
+                                "pid": pid if action in ("kill", "stop") else None}) + "\n")
     for h in procs:
         out = h.reply(timeout=seconds + 60)
         assert out.get("ok"), out
@@ -659,6 +722,7 @@ def test_T35_soak_with_queued_lease_waiters_is_linearizable(
             assert len(set(verdict.ids)) == len(verdict.ids)
             history = grant_log[name] = lease_grants(admin, name)
             assert grant_violations(history, run.app_of) == [], name
+            assert_no_quiet_grants(name, histories, per_name[name], history, tmp_path)
             grants += len(history)
         all_ids: set[str] = set()
         for oracle in oracles:
