@@ -43,6 +43,7 @@ import json
 import math
 import os
 import random
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -54,7 +55,7 @@ import psycopg
 import pytest
 
 import pglock
-from pglock import _schema
+from pglock import _schema, _waiting
 
 from .cluster import Cluster
 from .conftest import Bounds
@@ -295,6 +296,34 @@ def test_T35_model_negative_controls(tmp_path: Path) -> None:
     assert quiet_grants(plain, grants) == grants[1:]
     assert check(load_lease_history(said)[0]["n"])
     assert quiet_grants(said, grants) == []
+
+
+def test_T35_a_waiter_takes_at_its_deadline_a_grant_whose_notify_it_missed(
+    queue_db: Cluster, obs: psycopg.Connection[Any], app_name: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What T35 found, made deterministic: another process's release hands the lease to a
+    waiter whose NOTIFY goes unheard (its listener terminated, its process paused: dropped
+    here) and whose timeout ends before its first heartbeat. At its deadline the waiter must
+    take the grant made to it, not pass it on and return False."""
+    monkeypatch.setattr(_waiting.waiters, "on_notify", lambda lst, payload: None)
+    name, dsn = f"quiet:{uuid.uuid4()}", queue_db.dsn(application_name=f"{app_name}:Q")
+    first = pglock.lease(dsn, name, ttl=30, keepalive=False)
+    assert first.acquire(timeout=0)
+    waiter = pglock.lease(dsn, name, ttl=30)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=0.25)))
+    thread.start()
+    wait_queued(obs, name, waiter.holder)
+    obs.execute(  # another process's release: no local handover either
+        "SELECT * FROM pglock.release_v4(%s, %s, %s)", (name, first.holder, first.token)
+    )
+    handed = lease_row(obs, name)
+    thread.join(10)
+    assert got == [True], waiter._why_not
+    assert handed == (waiter.holder, waiter.token) == lease_row(obs, name)
+    waiter.release()
+    assert lease_row(obs, name) is None
 
 
 # --- T30 -----------------------------------------------------------------------------------
