@@ -423,7 +423,9 @@ class Lease(_base.BaseLock, _ttl.Held):
         closed: _ttl.Closed,
     ) -> bool | None:
         """Wait as queued ``waiter`` (last seen waiting by a statement sent at ``seen``): True
-        granted, False given up (timeout, close()), None skipped (queue again)."""
+        granted, False given up (timeout, close()), None skipped (queue again). At the
+        deadline it looks once more: a grant handed to it by then (its NOTIFY unheard: the
+        listener down, or this process paused) is its own, not passed on by the leave."""
         slot_wait = _waiting.waiters.await_grant
         beat = seen + HEARTBEAT
         while True:
@@ -435,33 +437,46 @@ class Lease(_base.BaseLock, _ttl.Held):
                 row = Grant(True, self._holder, handed.token, handed.acquired_at,
                             handed.expires_at, None, seen, time.monotonic())
                 return True if self._granted(row, life) else None
-            now = time.monotonic()
-            if closed() or (deadline is not None and now >= deadline):
-                self._leave(waiter)
-                return False
-            sent = now
+            if closed():
+                return self._gave_up("", waiter)
+            sent = time.monotonic()
+            last = deadline is not None and sent >= deadline
             try:
                 rows = self._send("wait_v4", waiter, LIVENESS, deadline=sent + LIVENESS)
             except NoAnswer:
+                if last:  # silent: its place lapses in LIVENESS, a grant in its window
+                    return self._gave_up("its last look got no answer", waiter=None)
                 beat = time.monotonic()  # silent: it may be skipped; the next beat tells
                 continue
             state, _, token, acquired_at, expires_at, server_time = rows[0]
+            if state == "waiting" and last:
+                return self._gave_up("", waiter)
             if state == "waiting":
                 seen, beat = sent, sent + HEARTBEAT
                 continue
             if state != "granted":
-                return None
+                return False if last else None
             life = (expires_at - server_time).total_seconds()
             row = Grant(True, self._holder, token, acquired_at, expires_at, server_time, sent,
                         time.monotonic())
             return True if self._granted(row, life) else None
 
-    def _leave(self, waiter: int) -> None:
-        """Leave the queue (best effort: a waiter that says nothing is skipped anyway)."""
+    def _gave_up(self, why: str, waiter: int | None) -> bool:
+        """Leave the queue (best effort: a waiter that says nothing is skipped anyway); False.
+        A grant handed to it since its last look is passed on by ``leave_v4`` or, when the
+        leave fails, ends at its provisional expiry: ``_why_not`` then says the outcome is
+        open (a handle that returns False held it a moment)."""
         try:
-            self._send("leave_v4", waiter)
+            left = waiter is not None and self._send("leave_v4", waiter)[0][0]
         except Exception as exc:
-            logger.info("lease %r: leaving the wait queue failed: %r", self._name, exc)
+            why, left = f"leaving the wait queue failed ({exc!r})", False
+        if not left:
+            self._why_not = (
+                f"{why or 'it was no longer queued'} as it gave up: a grant handed to it then "
+                "was passed on, or ends at its provisional expiry"
+            )
+            logger.info("lease %r: %s", self._name, self._why_not)
+        return False
 
     def _try_once(self, wait: float | None) -> _ttl.Attempt:
         row = self._attempt(wait)

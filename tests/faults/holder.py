@@ -316,7 +316,7 @@ def soak(req: dict[str, Any]) -> dict[str, Any]:
         timeout = rng.choice([0.0, 0.05, 0.2])
         seq += 1
         op_id = f"{p}:{seq}"
-        log(p=p, name=name, f="acquire", ev="invoke")
+        log(p=p, name=name, f="acquire", ev="invoke", op=op_id)
         try:
             ok, lock = _soak_acquire(conn, kind, name, timeout)
         except Exception as exc:
@@ -471,6 +471,20 @@ class QueueWaiter:
         return {"ok": True}
 
 
+def _log_pglock(path: str) -> None:
+    """pglock's INFO messages (why an acquire gave up, a failed leave or give-back) to ``path``,
+    stamped with the monotonic clock of the histories."""
+    import logging
+    import time
+
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(mono).4f %(process)d %(name)s %(message)s"))
+    handler.addFilter(lambda record: setattr(record, "mono", time.monotonic()) or True)
+    root = logging.getLogger("pglock")
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+
+
 def lease_soak(req: dict[str, Any]) -> dict[str, Any]:
     """The T27 loop on queued leases: acquire (timeouts of ``req["timeouts"]``, queued when not
     0), a critical section in one transaction fenced by ``guard()`` on a connection of its own,
@@ -485,6 +499,7 @@ def lease_soak(req: dict[str, Any]) -> dict[str, Any]:
     oracles = {n: Oracle(p) for n, p in zip(names, req["oracles"], strict=True)}
     hist = open(req["history"], "a", buffering=1, encoding="utf-8")  # noqa: SIM115
     p = f"{os.getpid()}"
+    _log_pglock(req["history"] + ".log")
     seq = 0
     conn: psycopg.Connection[Any] | None = None
 
@@ -504,15 +519,16 @@ def lease_soak(req: dict[str, Any]) -> dict[str, Any]:
         lease = pglock.lease(  # type: ignore[attr-defined]
             req["source"], name, ttl=req["ttl"], holder=f"{req['app']}#{op_id}"
         )
-        log(p=p, name=name, f="acquire", ev="invoke")
+        log(p=p, name=name, f="acquire", ev="invoke", op=op_id)
         try:
             ok = lease.acquire(timeout=rng.choice(req["timeouts"]))
         except Exception as exc:
-            log(p=p, name=name, f="acquire", ev="info", error=type(exc).__name__,
+            log(p=p, name=name, f="acquire", ev="info", op=op_id, error=type(exc).__name__,
                 message=str(exc)[:200])
             time.sleep(0.05)  # the server is away (restart): do not pile up unknown outcomes
             continue
-        log(p=p, name=name, f="acquire", ev="ok" if ok else "fail", op=op_id)
+        log(p=p, name=name, f="acquire", ev="ok" if ok else "fail", op=op_id,
+            why=None if ok else lease._why_not)
         if not ok:
             continue
         section_ok = False

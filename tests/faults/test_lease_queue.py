@@ -43,6 +43,7 @@ import json
 import math
 import os
 import random
+import threading
 import time
 import uuid
 from collections import defaultdict
@@ -54,7 +55,7 @@ import psycopg
 import pytest
 
 import pglock
-from pglock import _schema
+from pglock import _schema, _waiting
 
 from .cluster import Cluster
 from .conftest import Bounds
@@ -263,6 +264,66 @@ def test_grant_history_oracle_negative_controls() -> None:
     assert grant_violations(expired, app) == []  # a takeover after the expiry
     back = [Grant("a#1", 5, 0.0, 1.0, 1), Grant("b#1", 4, 2.0, 3.0, 2)]
     assert grant_violations(back, app) == ["token went back or repeated: 5 then 4"]
+
+
+def test_T35_model_negative_controls(tmp_path: Path) -> None:
+    """T35's lease model and quiet-grant oracle on hand-made histories (no database): a waiter
+    (process 2) handed the lease at 0.05 s that gives up at 0.5 s while a try-lock (process 3)
+    fails at 0.1 s. With a plain False the history is not linearizable and the grant log's grant
+    to process 2 is flagged; with a ``why`` (pglock said the outcome is open) both accept it."""
+
+    def history(why: str | None) -> list[Path]:
+        runs = {
+            "a": [("1", "acquire", "invoke", 0.0), ("1", "acquire", "ok", 0.01),
+                  ("1", "release", "invoke", 0.02), ("1", "release", "ok", 0.03)],
+            "b": [("2", "acquire", "invoke", 0.04), ("2", "acquire", "fail", 0.5)],
+            "c": [("3", "acquire", "invoke", 0.1), ("3", "acquire", "fail", 0.11)],
+        }
+        paths = []
+        for tag, events in runs.items():
+            path = tmp_path / f"{tag}-{why}.jsonl"
+            lines = [{"p": p, "name": "n", "f": f, "ev": ev, "t": t, "op": f"{p}:1",
+                      "acked": True, "why": why if p == "2" else None}
+                     for p, f, ev, t in events]
+            path.write_text("".join(json.dumps(e) + "\n" for e in lines))
+            paths.append(path)
+        return paths
+
+    grants = [Grant("app:S0#1:1", 1, 0.0, 1.0, 1, 0.03, "app:S0", 2),
+              Grant("app:S1#2:1", 2, 0.05, 1.05, 2, 0.49, "app:S1", 3)]
+    plain, said = history(None), history("its place in the queue was gone as it gave up")
+    assert not check(load_lease_history(plain)[0]["n"])
+    assert quiet_grants(plain, grants) == grants[1:]
+    assert check(load_lease_history(said)[0]["n"])
+    assert quiet_grants(said, grants) == []
+
+
+def test_T35_a_waiter_takes_at_its_deadline_a_grant_whose_notify_it_missed(
+    queue_db: Cluster, obs: psycopg.Connection[Any], app_name: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What T35 found, made deterministic: another process's release hands the lease to a
+    waiter whose NOTIFY goes unheard (its listener terminated, its process paused: dropped
+    here) and whose timeout ends before its first heartbeat. At its deadline the waiter must
+    take the grant made to it, not pass it on and return False."""
+    monkeypatch.setattr(_waiting.waiters, "on_notify", lambda lst, payload: None)
+    name, dsn = f"quiet:{uuid.uuid4()}", queue_db.dsn(application_name=f"{app_name}:Q")
+    first = pglock.lease(dsn, name, ttl=30, keepalive=False)
+    assert first.acquire(timeout=0)
+    waiter = pglock.lease(dsn, name, ttl=30)
+    got: list[bool] = []
+    thread = threading.Thread(target=lambda: got.append(waiter.acquire(timeout=0.25)))
+    thread.start()
+    wait_queued(obs, name, waiter.holder)
+    obs.execute(  # another process's release: no local handover either
+        "SELECT * FROM pglock.release_v4(%s, %s, %s)", (name, first.holder, first.token)
+    )
+    handed = lease_row(obs, name)
+    thread.join(10)
+    assert got == [True], waiter._why_not
+    assert handed == (waiter.holder, waiter.token) == lease_row(obs, name)
+    waiter.release()
+    assert lease_row(obs, name) is None
 
 
 # --- T30 -----------------------------------------------------------------------------------
@@ -501,7 +562,11 @@ def load_lease_history(paths: list[Path]) -> tuple[dict[str, list[Op]], set[str]
     """As :func:`.test_soak.load_history`, for leases: a lease is not a session, so a failed
     release or acquire does not end it at once; it ends at some instant by the time its renewals
     stop counting (``SOAK_BOUND`` after the failure). A release refused with LockLost took
-    effect (expiry) at some instant since the acquire."""
+    effect (expiry) at some instant since the acquire. An acquire that returned False saying
+    why (``why``: no answer, a late grant given back, a wait given up as the lease was handed
+    to it; docs/leases.md) may have been granted meanwhile: an unknown outcome too, while a
+    plain False (somebody held it) is a definite fail, and :func:`quiet_grants` checks on the
+    grant log that pglock granted nothing to such a handle."""
     per_name: dict[str, list[Op]] = defaultdict(list)
     acked: set[str] = set()
     unknown: set[str] = set()
@@ -517,7 +582,7 @@ def load_lease_history(paths: list[Path]) -> tuple[dict[str, list[Op]], set[str]
             inv, name, p, t = pending.pop(ev["f"]), ev["name"], ev["p"], ev["t"]
             count += 1
             ops = per_name[name]
-            if ev["f"] == "acquire" and ev["ev"] == "info":
+            if ev["f"] == "acquire" and (ev["ev"] == "info" or ev.get("why")):
                 ops.append(Op(p, "acquire", inv["t"], t + SOAK_BOUND, "info"))
                 ops.append(Op(p, "release", inv["t"], t + SOAK_BOUND, "info"))
             elif ev["f"] == "acquire":
@@ -538,6 +603,60 @@ def load_lease_history(paths: list[Path]) -> tuple[dict[str, list[Op]], set[str]
                 unknown.add(ev["op"])
         _killed(events, pending, held, per_name)
     return per_name, acked, unknown, count
+
+
+def quiet_grants(paths: list[Path], grants: list[Grant]) -> list[Grant]:
+    """Grants (database truth) to a handle whose ``acquire()`` returned a plain False: a grant
+    pglock made to a waiter and then gave up without saying so (the model counts that acquire
+    as a definite fail)."""
+    quiet: set[str] = set()
+    for path in paths:
+        for line in path.read_text().splitlines():
+            ev = json.loads(line) if line.strip() else {}
+            if ev.get("f") == "acquire" and ev.get("ev") == "fail" and not ev.get("why"):
+                quiet.add(ev["op"])
+    return [g for g in grants if g.holder.split("#")[-1] in quiet]
+
+
+def assert_no_quiet_grants(
+    name: str, paths: list[Path], ops: list[Op], grants: list[Grant], tmp: Path
+) -> None:
+    if quiet := quiet_grants(paths, grants):
+        kept = keep_histories(paths, name, ops, grants, tmp)
+        pytest.fail(f"{name}: grants to handles whose acquire() returned False: {quiet[:3]}, "
+                    f"kept in {kept}")
+
+
+def keep_histories(
+    paths: list[Path], name: str, ops: list[Op], grants: list[Grant], tmp: Path
+) -> Path:
+    """Copy a failed soak's raw histories, the rejected name's operations and its grant history
+    (JSON lines) to ``$PGLOCK_FAULT_ARTIFACTS/T35-<name>`` (default: under the test's tmp_path)."""
+    root = Path(os.environ.get("PGLOCK_FAULT_ARTIFACTS") or tmp / "artifacts")
+    out = root / f"T35-{name.replace(':', '_')}"
+    out.mkdir(parents=True, exist_ok=True)
+    logs = [Path(f"{p}.log") for p in paths]  # pglock's messages
+    for path in [*paths, *logs, tmp / "nemesis.jsonl"]:
+        if path.exists():
+            (out / path.name).write_text(path.read_text())
+    with (out / "ops.jsonl").open("w") as f:
+        for op in ops:
+            f.write(json.dumps(op.__dict__) + "\n")
+    # Grants are on the database clock (epoch seconds), operations on the monotonic clock.
+    offset = time.time() - time.monotonic()
+    (out / "clock.json").write_text(json.dumps({"epoch_minus_monotonic": offset}))
+    with (out / "grants.jsonl").open("w") as f:
+        for g in grants:
+            f.write(json.dumps(g.__dict__) + "\n")
+    return out
+
+
+def assert_linearizable(
+    name: str, ops: list[Op], paths: list[Path], grants: list[Grant], tmp: Path
+) -> None:
+    if not check(ops):
+        kept = keep_histories(paths, name, ops, grants, tmp)
+        pytest.fail(f"history of {name} is not linearizable ({len(ops)} ops), kept in {kept}")
 
 
 def _killed(
@@ -595,6 +714,7 @@ def test_T35_soak_with_queued_lease_waiters_is_linearizable(
         if action == "restart" and restarts >= 2:
             action = "terminate"
         i = rng.randrange(SOAK_PROCS)
+        began, pid = time.monotonic(), procs[i].pid
         if action == "terminate":
             with psycopg.connect(queue_db.dsn(), autocommit=True) as c:
                 c.execute(
@@ -613,20 +733,25 @@ def test_T35_soak_with_queued_lease_waiters_is_linearizable(
             queue_db.restart("immediate" if restarts else "fast")
             restarts += 1
         actions[action] += 1
+        with (tmp_path / "nemesis.jsonl").open("a") as f:
+            f.write(json.dumps({"t": began, "end": time.monotonic(), "action": action,
+                                "pid": pid if action in ("kill", "stop") else None}) + "\n")
     for h in procs:
         out = h.reply(timeout=seconds + 60)
         assert out.get("ok"), out
 
     per_name, acked, unknown, count = load_lease_history(histories)
     grants = 0
+    grant_log: dict[str, list[Grant]] = {}
     with psycopg.connect(queue_db.dsn(), autocommit=True) as admin:
         for name, oracle in zip(names, oracles, strict=True):
             verdict = oracle.check(admin, [], closed_only=True)
             assert verdict.overlaps == 0, (name, verdict.summary())
             assert verdict.tokens_increasing, (name, verdict.tokens[:20])
             assert len(set(verdict.ids)) == len(verdict.ids)
-            history = lease_grants(admin, name)
+            history = grant_log[name] = lease_grants(admin, name)
             assert grant_violations(history, run.app_of) == [], name
+            assert_no_quiet_grants(name, histories, per_name[name], history, tmp_path)
             grants += len(history)
         all_ids: set[str] = set()
         for oracle in oracles:
@@ -637,7 +762,7 @@ def test_T35_soak_with_queued_lease_waiters_is_linearizable(
             oracle.drop(admin)
     started = time.monotonic()
     for name, ops in per_name.items():
-        assert check(ops), f"history of {name} is not linearizable ({len(ops)} ops)"
+        assert_linearizable(name, ops, histories, grant_log[name], tmp_path)
     bounds.record("T35", "lease", "WGL check of all histories", time.monotonic() - started)
     bounds.record("T35", "lease", "operations in the soak", float(count), "ops")
     bounds.record("T35", "lease", "grants in the audit log", float(grants), "grants")
