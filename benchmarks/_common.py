@@ -169,6 +169,15 @@ def percentile(values: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+def dig(d: Any, *path: str) -> Any:
+    """``d[path[0]][path[1]]...`` through nested dicts of results; None where a step is missing."""
+    for p in path:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(p)
+    return d
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
@@ -245,16 +254,17 @@ class StatementCounter:
         # generator by itself: counted at pglock's own reference to psycopg's generators.
         from pglock import _conn
 
-        counted = types.SimpleNamespace(**vars(_conn.generators))
-        orig_execute = _conn.generators.execute
+        generators = getattr(_conn, "generators")  # noqa: B009 (a module pglock imported)
+        counted = types.SimpleNamespace(**vars(generators))
+        orig_execute = generators.execute
 
         def execute(*args: Any, **kwargs: Any) -> Any:
             bump()
             return orig_execute(*args, **kwargs)
 
         counted.execute = execute
-        self._saved.append((_conn, "generators", _conn.generators))
-        _conn.generators = counted  # type: ignore[assignment]
+        self._saved.append((_conn, "generators", generators))
+        setattr(_conn, "generators", counted)  # noqa: B010
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._common import median, rnd
+from ._common import dig, median, rnd
 
 #: Figures that are not exact counts (client CPU, latency ratios) move by about +-20% between
 #: runs of the same code on this shared 2-core machine: "not slower than the baseline" allows
@@ -19,14 +19,6 @@ NOISE = 1.25
 #: WAL flushes per cycle are counts over many cycles plus the WAL writer's few background
 #: flushes (a handful per second): "exactly one" means within this of 1.0.
 FLUSH_TOLERANCE = 0.05
-
-
-def _get(d: Any, *path: str) -> Any:
-    for p in path:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(p)
-    return d
 
 
 def _row(tid: str, target: str, ok: bool | None, shown: str, value: Any = None) -> dict[str, Any]:
@@ -40,10 +32,10 @@ def _spread(entry: dict[str, Any]) -> str:
 
 
 def _a(w: dict[str, Any]) -> list[dict[str, Any]]:
-    a = _get(w, "A", "adapters") or {}
+    a = dig(w, "A", "adapters") or {}
     p, pl, raw = a.get("pglock") or {}, a.get("postgresql-lock") or {}, a.get("raw") or {}
     r, rp = p.get("ratio"), pl.get("ratio")
-    direct = _get(p, "vs", "postgresql-lock", "ratio")
+    direct = dig(p, "vs", "postgresql-lock", "ratio")
     # postgresql-lock sends the floor's statements (the key as a literal, not a parameter): it
     # shows whether the floor's own blocks ran at their usual speed in this run.
     check = f"; floor check: postgresql-lock (same statements) {rp}x the floor" if rp else ""
@@ -94,9 +86,9 @@ def _a(w: dict[str, Any]) -> list[dict[str, Any]]:
 def _threads(w: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for tag, what in (("B", "8 threads, distinct names"), ("D", "8 threads, one name")):
-        r = _get(w, tag, "adapters", "pglock", "ratio")
-        cps = _get(w, tag, "adapters", "pglock", "cycles_per_s")
-        floor = _get(w, tag, "adapters", "raw", "cycles_per_s")
+        r = dig(w, tag, "adapters", "pglock", "ratio")
+        cps = dig(w, tag, "adapters", "pglock", "cycles_per_s")
+        floor = dig(w, tag, "adapters", "raw", "cycles_per_s")
         rows.append(
             _row(
                 f"{tag}:floor",
@@ -120,22 +112,22 @@ def _paired(
 
 
 def _xact_multi_pool(w: dict[str, Any]) -> list[dict[str, Any]]:
-    a = _get(w, "A", "adapters") or {}
-    via = _get(w, "A", "xact", "ratio_vs_raw_xact")
-    via10 = _get(w, "A", "multi_key_vs_raw_multi")
-    g = _get(w, "G", "cycles") or {}
+    a = dig(w, "A", "adapters") or {}
+    via = dig(w, "A", "xact", "ratio_vs_raw_xact")
+    via10 = dig(w, "A", "multi_key_vs_raw_multi")
+    g = dig(w, "G", "cycles") or {}
     return [
         _paired(
             "xact",
             "xact_lock cycle <= 1.1x the raw xact cycle (paired directly)",
-            _get(a, "pglock-xact", "vs", "raw-xact"),
+            dig(a, "pglock-xact", "vs", "raw-xact"),
             1.1,
             f"; through the floor {via}x" if via else "",
         ),
         _paired(
             "multi_key",
             "pg_lock on 10 names <= 1.5x raw's 10-name cycle (paired directly)",
-            _get(a, "pglock-10", "vs", "raw-10"),
+            dig(a, "pglock-10", "vs", "raw-10"),
             1.5,
             f"; through the floor {via10}x" if via10 else "",
         ),
@@ -148,17 +140,17 @@ def _xact_multi_pool(w: dict[str, Any]) -> list[dict[str, Any]]:
         _paired(
             "G:transactional",
             "G: pool_lock <= 1.1x checkout + raw cycle + return (transactional pool)",
-            _get(g, "pool_lock (tx pool)", "vs", "checkout+raw (tx pool)"),
+            dig(g, "pool_lock (tx pool)", "vs", "checkout+raw (tx pool)"),
             1.1,
         ),
     ]
 
 
 def _handoff(w: dict[str, Any]) -> list[dict[str, Any]]:
-    c = _get(w, "C", "adapters") or {}
-    lease = _get(c, "lease-xproc", "p50_ms")
-    prl = _get(c, "python-redis-lock", "p50_ms")
-    raw = _get(c, "raw", "p50_ms")
+    c = dig(w, "C", "adapters") or {}
+    lease = dig(c, "lease-xproc", "p50_ms")
+    prl = dig(c, "python-redis-lock", "p50_ms")
+    raw = dig(c, "raw", "p50_ms")
     return [
         _row(
             "C:redis",
@@ -178,8 +170,8 @@ def _handoff(w: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _lease_d(w: dict[str, Any]) -> list[dict[str, Any]]:
-    d = _get(w, "D", "adapters") or {}
-    mine, peer = _get(d, "lease", "runs") or [], _get(d, "python-redis-lock", "runs") or []
+    d = dig(w, "D", "adapters") or {}
+    mine, peer = dig(d, "lease", "runs") or [], dig(d, "python-redis-lock", "runs") or []
     ratios = [
         x["cycles_per_s"] / y["cycles_per_s"]
         for x, y in zip(mine, peer, strict=False)
@@ -191,8 +183,8 @@ def _lease_d(w: dict[str, Any]) -> list[dict[str, Any]]:
             "D:lease",
             "lease, 8 threads on one name: acquisitions/s >= python-redis-lock's",
             None if r is None else r >= 1.0,
-            f"{r}x ({_get(d, 'lease', 'cycles_per_s')} vs "
-            f"{_get(d, 'python-redis-lock', 'cycles_per_s')} acquisitions/s; median of "
+            f"{r}x ({dig(d, 'lease', 'cycles_per_s')} vs "
+            f"{dig(d, 'python-redis-lock', 'cycles_per_s')} acquisitions/s; median of "
             "per-repetition ratios)"
             if r is not None
             else "n/a",
@@ -202,7 +194,7 @@ def _lease_d(w: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _f(w: dict[str, Any]) -> list[dict[str, Any]]:
-    f = _get(w, "F", "processes") or {}
+    f = dig(w, "F", "processes") or {}
     sph = f.get("statements_per_handoff")
     complete = bool(f.get("handoffs")) and f.get("handoffs") == f.get("waiters")
     rows = [
@@ -243,7 +235,7 @@ def _f(w: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _wal(w: dict[str, Any]) -> list[dict[str, Any]]:
-    lease_vs_ttl = _get(w, "A", "adapters", "lease", "vs", "ttl-table")
+    lease_vs_ttl = dig(w, "A", "adapters", "lease", "vs", "ttl-table")
     rows = [
         _paired(
             "lease:cycle",
@@ -252,8 +244,8 @@ def _wal(w: dict[str, Any]) -> list[dict[str, Any]]:
             0.8,
         )
     ]
-    h = _get(w, "H", "contenders") or {}
-    lease, raw, ttl = (_get(h, k, "flushes_per_cycle") for k in ("lease", "raw", "ttl-table"))
+    h = dig(w, "H", "contenders") or {}
+    lease, raw, ttl = (dig(h, k, "flushes_per_cycle") for k in ("lease", "raw", "ttl-table"))
     ok: bool | None = None
     shown = "n/a"
     if lease is not None and raw is not None and ttl is not None:
@@ -287,10 +279,10 @@ def _all(*oks: bool | None) -> bool | None:
 
 def _nothing_slower(w: dict[str, Any], base: dict[str, Any] | None) -> list[dict[str, Any]]:
     bw = (base or {}).get("workloads") or {}
-    k, bk = _get(w, "E", "keepalive") or {}, _get(bw, "E", "keepalive") or {}
+    k, bk = dig(w, "E", "keepalive") or {}, dig(bw, "E", "keepalive") or {}
     rt, brt = k.get("statements_per_round"), bk.get("statements_per_round")
     cpu, bcpu = k.get("keepalive_cpu_ms_per_round"), bk.get("keepalive_cpu_ms_per_round")
-    rows_r, brows_r = _get(w, "E", "acquire_vs_rows", "ratio"), _get(bw, "E", "acquire_vs_rows")
+    rows_r, brows_r = dig(w, "E", "acquire_vs_rows", "ratio"), dig(bw, "E", "acquire_vs_rows")
     brows = (brows_r or {}).get("ratio")
     g, bg = w.get("G") or {}, bw.get("G") or {}
     # Round trips counted another way in the baseline (at psycopg's execute calls, which missed

@@ -32,7 +32,7 @@ import pglock
 
 from . import _adapters, _leases, _pools, _targets, _wal, _workloads
 from ._adapters import Adapter
-from ._common import APP_NAME, Context, Settings, dsn_with_db, scratch_database
+from ._common import APP_NAME, Context, Settings, dig, dsn_with_db, scratch_database
 
 WORKLOADS = "ABCDEFGH"
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -174,14 +174,6 @@ def environment_line(env: dict[str, Any]) -> str:
 # --- targets of issue 7 ----------------------------------------------------------------------
 
 
-def _get(d: Any, *path: str) -> Any:
-    for p in path:
-        if not isinstance(d, dict):
-            return None
-        d = d.get(p)
-    return d
-
-
 def evaluate_targets(w: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target of issue 7: met / not met / not yet measurable, with the true number."""
     out: list[dict[str, Any]] = []
@@ -190,21 +182,21 @@ def evaluate_targets(w: dict[str, Any]) -> list[dict[str, Any]]:
         status = "not yet measurable" if ok is None else ("met" if ok else "not met")
         out.append({"id": tid, "target": text, "status": status, "value": value, "shown": shown})
 
-    r = _get(w, "A", "adapters", "pglock", "ratio")
-    cpu = _get(w, "A", "adapters", "pglock", "cpu_ratio")
+    r = dig(w, "A", "adapters", "pglock", "ratio")
+    cpu = dig(w, "A", "adapters", "pglock", "cpu_ratio")
     add(
         "pg_lock",
         "pg_lock cycle <= 1.1x raw psycopg cycle (alternating)",
         r,
         None if r is None else r <= 1.1,
         f"{r}x (median of per-round ratios "
-        f"{(_get(w, 'A', 'adapters', 'pglock', 'ratio_blocks') or [None] * 3)[1]}x; "
+        f"{(dig(w, 'A', 'adapters', 'pglock', 'ratio_blocks') or [None] * 3)[1]}x; "
         f"client CPU {cpu}x)"
         if r
         else "n/a",
     )
 
-    x = _get(w, "A", "xact") or {}
+    x = dig(w, "A", "xact") or {}
     if "pglock_lock_round_trips" in x:
         ok = x["pglock_lock_round_trips"] == 1 and (
             x["pglock_commit_round_trips"] == x["raw_commit_round_trips"]
@@ -218,20 +210,20 @@ def evaluate_targets(w: dict[str, Any]) -> list[dict[str, Any]]:
     else:
         add("xact_lock", "xact_lock adds one round trip and nothing at commit", None, None, "n/a")
 
-    m = _get(w, "A", "multi_key_ratio")
-    raw10 = _get(w, "A", "adapters", "raw-10", "ratio")
+    m = dig(w, "A", "multi_key_ratio")
+    raw10 = dig(w, "A", "adapters", "raw-10", "ratio")
     add(
         "multi_key",
         "10-name pg_lock cycle <= 1.5x single-name cycle",
         m,
         None if m is None else m <= 1.5,
         f"{m}x (the raw 10-name statement costs {raw10}x the raw single one; pglock 10 names "
-        f"= {_get(w, 'A', 'multi_key_vs_raw_multi')}x raw 10 names)"
+        f"= {dig(w, 'A', 'multi_key_vs_raw_multi')}x raw 10 names)"
         if m
         else "n/a",
     )
 
-    lr = _get(w, "A", "adapters", "lease", "ratio")
+    lr = dig(w, "A", "adapters", "lease", "ratio")
     add(
         "lease_cycle",
         "lease cycle <= 2x raw advisory cycle (durable commits)",
@@ -239,7 +231,7 @@ def evaluate_targets(w: dict[str, Any]) -> list[dict[str, Any]]:
         None if lr is None else lr <= 2.0,
         f"{lr}x" if lr else "n/a",
     )
-    nd = _get(w, "A", "adapters", "lease-nondurable", "ratio")
+    nd = dig(w, "A", "adapters", "lease-nondurable", "ratio")
     add(
         "lease_cycle_nondurable",
         "non-durable lease cycle <= 1.25x raw (if offered)",
@@ -248,12 +240,12 @@ def evaluate_targets(w: dict[str, Any]) -> list[dict[str, Any]]:
         f"{nd}x" if nd else "n/a (no such mode yet)",
     )
 
-    c = _get(w, "C", "adapters") or {}
-    native = _get(c, "raw", "p50_ms")
-    pollers = [v for v in (_get(c, "ttl-table", "p50_ms"), _get(c, "redis-py", "p50_ms")) if v]
+    c = dig(w, "C", "adapters") or {}
+    native = dig(c, "raw", "p50_ms")
+    pollers = [v for v in (dig(c, "ttl-table", "p50_ms"), dig(c, "redis-py", "p50_ms")) if v]
     # The waiter in another process is the distributed case; the same-process one is local.
     for key, where in (("lease-xproc", "waiter in another process"), ("lease", "same process")):
-        lease_h = _get(c, key, "p50_ms")
+        lease_h = dig(c, key, "p50_ms")
         if lease_h and native and pollers:
             vs_native, vs_poll = lease_h / native, min(pollers) / lease_h
             add(
@@ -274,7 +266,7 @@ def evaluate_targets(w: dict[str, Any]) -> list[dict[str, Any]]:
                 "n/a",
             )
 
-    k = _get(w, "E", "keepalive") or {}
+    k = dig(w, "E", "keepalive") or {}
     if k.get("statements_per_round") is not None:
         ok = k["statements_per_round"] <= 1.0 and k["keepalive_cpu_pct_of_core"] <= 5.0
         add(
@@ -294,7 +286,7 @@ def evaluate_targets(w: dict[str, Any]) -> list[dict[str, Any]]:
             "n/a",
         )
 
-    rows = _get(w, "E", "acquire_vs_rows") or {}
+    rows = dig(w, "E", "acquire_vs_rows") or {}
     if rows.get("ratio") is not None:
         add(
             "rows",
@@ -307,7 +299,7 @@ def evaluate_targets(w: dict[str, Any]) -> list[dict[str, Any]]:
         add("rows", "lease acquire at 1,000,000 rows <= 1.2x at 1,000 rows", None, None, "n/a")
 
     for part, where in (("processes", "over processes"), ("one_process", "in one process")):
-        f = _get(w, "F", part) or {}
+        f = dig(w, "F", part) or {}
         if f.get("statements_per_handoff") is not None:
             add(
                 f"handoff_statements:{part}",
@@ -326,7 +318,7 @@ def evaluate_targets(w: dict[str, Any]) -> list[dict[str, Any]]:
                 "n/a",
             )
 
-    g = _get(w, "G", "pool_lock_ratio")
+    g = dig(w, "G", "pool_lock_ratio")
     add(
         "pool_lock",
         "pool_lock cycle <= 1.1x checkout + raw lock cycle",
@@ -349,7 +341,7 @@ def _fmt(v: Any, suffix: str = "") -> str:
 
 
 def _md_a(w: dict[str, Any]) -> list[str]:
-    a = _get(w, "A", "adapters")
+    a = dig(w, "A", "adapters")
     if not a:
         return []
     lines = [
@@ -378,7 +370,7 @@ def _md_a(w: dict[str, Any]) -> list[str]:
 def _md_threads(w: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     for tag, title in (("B", "B. {t} threads, distinct names"), ("D", "D. {t} threads, one name")):
-        b = _get(w, tag, "adapters")
+        b = dig(w, tag, "adapters")
         if not b:
             continue
         lines += [
@@ -400,7 +392,7 @@ def _md_threads(w: dict[str, Any]) -> list[str]:
 
 
 def _md_c(w: dict[str, Any]) -> list[str]:
-    c = _get(w, "C", "adapters")
+    c = dig(w, "C", "adapters")
     if not c:
         return []
     lines = [
@@ -430,7 +422,7 @@ def _md_skipped(w: dict[str, Any]) -> list[str]:
 
 def _md_e(w: dict[str, Any]) -> list[str]:
     lines: list[str] = []
-    k = _get(w, "E", "keepalive")
+    k = dig(w, "E", "keepalive")
     if k:
         lines += [
             f"**E. Keepalive** of {_fmt(k.get('leases'))} leases (ttl {k.get('ttl')} s) over "
@@ -444,7 +436,7 @@ def _md_e(w: dict[str, Any]) -> list[str]:
             + (f" (errors: {k['errors']})" if k.get("errors") else ""),
             "",
         ]
-    rows = _get(w, "E", "acquire_vs_rows")
+    rows = dig(w, "E", "acquire_vs_rows")
     if rows:
         lines += [
             f"**E. Lease acquire** with {_fmt(rows.get('rows_small'))} vs "
@@ -485,7 +477,7 @@ def _md_f(w: dict[str, Any]) -> list[str]:
 
 
 def _md_g(w: dict[str, Any]) -> list[str]:
-    g = _get(w, "G", "cycles")
+    g = dig(w, "G", "cycles")
     if not g:
         return []
     lines = [
@@ -508,7 +500,7 @@ def _md_pairs(w: dict[str, Any]) -> list[str]:
     rows = [
         (tag, x, y, v)
         for tag in "AG"
-        for x, r in ((_get(w, tag, "adapters") or _get(w, tag, "cycles")) or {}).items()
+        for x, r in ((dig(w, tag, "adapters") or dig(w, tag, "cycles")) or {}).items()
         for y, v in (r.get("vs") or {}).items()
     ]
     if not rows:
@@ -531,13 +523,13 @@ def _md_pairs(w: dict[str, Any]) -> list[str]:
 
 
 def _md_h(w: dict[str, Any]) -> list[str]:
-    h = _get(w, "H", "contenders")
+    h = dig(w, "H", "contenders")
     if not h:
         return []
-    idle = _get(w, "H", "idle") or {}
+    idle = dig(w, "H", "idle") or {}
     lines = [
         "**H. WAL flushes per cycle** (`pg_stat_wal.wal_sync` deltas on a private idle cluster, "
-        f"PostgreSQL {_get(w, 'H', 'server')}; {idle.get('wal_sync')} flushes in "
+        f"PostgreSQL {dig(w, 'H', 'server')}; {idle.get('wal_sync')} flushes in "
         f"{idle.get('seconds')} s with nothing running)",
         "",
         "| contender | cycles | WAL flushes | per cycle | WAL writes per cycle |",
