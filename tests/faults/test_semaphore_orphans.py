@@ -28,6 +28,7 @@ import pglock
 from pglock import _sql
 from pglock._schema import install
 
+from .conftest import Bounds
 from .proxy import Proxy
 
 
@@ -103,14 +104,17 @@ def in_thread(call: Callable[[], Any]) -> Callable[[], Any]:
 )
 def test_a_lost_answer_then_a_resend_holds_exactly_the_permits_asked_for(
     limit: int, permits: int, proxied: str, proxy: Proxy, schema: str, name: str,
-    observer: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture,
+    observer: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture, bounds: Bounds,
 ) -> None:
     caplog.set_level(logging.INFO, logger="pglock.semaphore")
     sem = pglock.semaphore(proxied, name, limit, ttl=60, schema=schema)
     try:
         assert sem.count() == 0  # the source's connection is open before the fault
         proxy.set_mode("reset_on_response", times=1)
+        t0 = time.monotonic()
         with sem.hold(permits=permits, timeout=10) as permit:
+            bounds.record("T11", "semaphore", f"acquire whose answer was reset held its own "
+                          f"grant ({limit=}, {permits=})", time.monotonic() - t0)
             assert proxy.resets == 1  # not vacuous: the first answer was lost
             assert permit_rows(observer, schema, name) == [(permit.holder, permits)]
             assert sem.count() == permits
@@ -125,6 +129,7 @@ def test_a_lost_answer_then_a_resend_holds_exactly_the_permits_asked_for(
 
 def test_giving_up_after_a_lost_answer_leaves_no_permit(
     proxied: str, proxy: Proxy, schema: str, name: str, observer: psycopg.Connection[Any],
+    bounds: Bounds,
 ) -> None:
     """The acquire commits but its answer is dropped: the client cuts the statement off at its
     deadline (timeout + 1 s), gives up, and releases its holder id."""
@@ -132,11 +137,14 @@ def test_giving_up_after_a_lost_answer_leaves_no_permit(
     try:
         assert sem.count() == 0
         proxy.set_mode("drop_responses")
+        t0 = time.monotonic()
         join = in_thread(lambda: sem.acquire(timeout=0.5))
         wait_until(lambda: len(permit_rows(observer, schema, name)) == 1 and proxy.dropped,
                    "the grant to commit and its answer to be dropped")
         proxy.set_mode("pass")  # the release that giving up sends gets through
         assert join() is False
+        bounds.record("T11", "semaphore", "acquire(timeout=0.5) whose answer was dropped gave "
+                      "up and released its grant", time.monotonic() - t0)
         assert permit_rows(observer, schema, name) == []
         assert sem.count() == 0
     finally:
