@@ -480,7 +480,7 @@ class Semaphore(_base.BaseLock):
             req.unsure = True  # a resend's error, or a lost connection: the first may have run
             raise
         except BaseException:
-            req.unsure = True  # interrupted with the statement maybe sent
+            req.unsure = True  # interrupted, or translated: the statement may have run
             raise
         received = time.monotonic()
         granted, _max, held, retry_in = rows[0]  # a semaphore_acquire row
@@ -516,13 +516,15 @@ class Semaphore(_base.BaseLock):
         renewal's send time. Not found live, or no answer in time: nothing held (yet)."""
         stmt = _sql.semaphore_extend(self._schema, [(self._name, [req.holder], self._ttl)])
         sent = time.monotonic()
-        retry = time.monotonic() + self._rng.uniform(0.005, 0.02)
         try:
             rows = _run(source, "extend", self._schema, stmt, sent + self._ttl)[0]
         except Exception as exc:
-            req.unsure = True
+            rows = None
             logger.info("semaphore %r: renewing a grant an earlier attempt may have made "
                         "failed: %r", self._name, exc)
+        retry = time.monotonic() + self._rng.uniform(0.005, 0.02)
+        if rows is None:
+            req.unsure = True
             return None, False, retry
         if not any(r[0] == req.holder for r in rows):
             return None, False, retry
