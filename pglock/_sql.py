@@ -287,6 +287,53 @@ def unlock(keys: Sequence[int], *, shared: bool) -> sql.Composed:
     return sql.SQL("SELECT bool_and({}(k)) FROM unnest({}) AS k").format(func, _keys_array(keys))
 
 
+#: The custom setting that tags a server session behind a pooler with the pglock client using
+#: it (docs/pgbouncer.md, "Sharing checks"). Session-level: PgBouncer's reset (DISCARD ALL)
+#: clears it between the clients of session pooling; transaction pooling never resets it.
+POOLER_MARK = "pglock.client"
+
+# Through a pooler declared to pool sessions: one statement checks that it runs on the server
+# session probed (pid) and that the session carries no other client's mark, tags it (empty),
+# and only then takes the keys in order. One row: the server pid, the mark found, and the
+# grants (NULL when a check failed: nothing was taken). CASE fixes the order of evaluation;
+# a CTE with a volatile function is evaluated once.
+_POOLED_LOCK = (
+    "WITH s AS (SELECT pg_catalog.pg_backend_pid()::int8 AS pid,"
+    " coalesce(pg_catalog.current_setting({mark_name}, true), '') AS mark),"
+    " c AS (SELECT pid, mark, CASE WHEN pid = {pid} AND mark IN ('', {client})"
+    " THEN pg_catalog.set_config({mark_name}, {client}, false) = {client} ELSE false END AS ok"
+    " FROM s)"
+    " SELECT c.pid, c.mark, CASE WHEN c.ok THEN (SELECT pg_catalog.array_agg({grant} ORDER BY"
+    " t.i) FROM unnest({keys}) WITH ORDINALITY AS t(k, i)) END FROM c"
+)
+_POOLED_UNLOCK = (
+    "WITH c AS (SELECT pg_catalog.pg_backend_pid()::int8 AS pid,"
+    " coalesce(pg_catalog.current_setting({mark_name}, true), '') AS mark)"
+    " SELECT c.pid, c.mark, CASE WHEN c.pid = {pid} AND c.mark = {client}"
+    " THEN (SELECT pg_catalog.bool_and({func}(k)) FROM unnest({keys}) AS k) END FROM c"
+)
+
+
+def pooled_lock(
+    keys: Sequence[int], pid: int, client: str, *, shared: bool, try_: bool
+) -> sql.Composed:
+    """See ``_POOLED_LOCK``: one row ``(server pid, mark found, grants[] or NULL)``."""
+    func = sql.Identifier("pg_catalog", _LOCK_FUNCS[(False, shared, try_)])
+    grant = sql.SQL("{}(t.k)" if try_ else "{}(t.k) IS NOT NULL").format(func)
+    return sql.SQL(_POOLED_LOCK).format(
+        mark_name=sql.Literal(POOLER_MARK), pid=sql.Literal(pid), client=sql.Literal(client),
+        grant=grant, keys=_keys_array(keys),
+    )
+
+
+def pooled_unlock(keys: Sequence[int], pid: int, client: str, *, shared: bool) -> sql.Composed:
+    """See ``_POOLED_UNLOCK``: one row ``(server pid, mark found, all held? or NULL)``."""
+    return sql.SQL(_POOLED_UNLOCK).format(
+        mark_name=sql.Literal(POOLER_MARK), pid=sql.Literal(pid), client=sql.Literal(client),
+        func=sql.Identifier("pg_catalog", _UNLOCK_FUNCS[shared]), keys=_keys_array(keys),
+    )
+
+
 def set_local_timeouts(timeout_ms: int, *, several: bool) -> sql.Composed:
     """Bound the next statement's lock waits, and for ``several`` keys the statement itself. The
     caller's ``statement_timeout`` is always replaced: for one key by 0, since until pglock
