@@ -452,24 +452,26 @@ def _pooled_session_lock(
     return _all_or_nothing(conn, status, list(zip(keys, grants, strict=True)), keys, shared, state)
 
 
-def sharing_observed(state: ConnState, pid: int, mark: str) -> None:
+def sharing_observed(state: ConnState, pid: int, mark: str) -> str:
     """Record what a pooled statement found: another server session, or another client's mark
     on this one. Locks this connection believed it held are lost: they stay with the server
-    session they were taken on, which this connection may never reach again."""
+    session they were taken on, which this connection may never reach again. Returns why."""
     if pid != state.backend_pid:
         what = f"a statement ran on server session pid {pid}, not pid {state.backend_pid}"
     else:
         what = f"server session pid {pid} carries another client's mark {mark!r}"
+    lost = (
+        f"transaction pooling observed ({what}): the lock stays with server session pid "
+        f"{state.backend_pid} until that session ends"
+    )
     with state.lock:
         state.sharing = what
         held = any(not hold.pending for hold in state.holds.values())
         if held and state.lost is None:
-            state.lost = (
-                f"transaction pooling observed ({what}): the lock stays with server session "
-                f"pid {state.backend_pid} until that session ends"
-            )
+            state.lost = lost
         state.cond.notify_all()
     logger.warning("transaction pooling observed (%s): session locks refused from now on", what)
+    return lost
 
 
 def _lock_statement(
@@ -604,8 +606,7 @@ def _session_unlock(
             if pooled:
                 pid, mark, held = _conn.run(conn, _pooled_unlock_sql(state, keys, shared))[0]
                 if held is None:
-                    sharing_observed(state, pid, mark)
-                    raise LockLost.for_names(names, state.lost or state.sharing or "")
+                    raise LockLost.for_names(names, sharing_observed(state, pid, mark))
                 ok = held and ok
                 continue
             if len(keys) == 1:

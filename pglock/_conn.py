@@ -708,9 +708,17 @@ def forget(conn: psycopg.Connection[Any], *, lost: str | None = None) -> ConnSta
 
 
 def probe(conn: psycopg.Connection[Any], state: ConnState, ctx: Context | None = None) -> None:
-    """Once per connection (in the caller's transaction): refuse a hot standby, note the pid."""
-    rows = run(conn, _sql.PROBE, ctx)
-    in_recovery, pid, registry, timeouts = rows[0]
+    """Once per connection (in the caller's transaction, if one is open): refuse a hot standby,
+    note the pid."""
+    if conn.pgconn.transaction_status == IDLE and not conn.autocommit and direct(conn):
+        # Not in a transaction of psycopg's (BEGIN): statement pooling ends the client that
+        # opens one, so the probe could not even report the pooler (docs/pgbouncer.md).
+        res = call(conn, _sql.PROBE.as_bytes(conn), (), ctx)
+        registry_value = res.get_value(0, 2)
+        in_recovery, pid, timeouts = truth(res), bigint(res, 0, 1), truth(res, 0, 3)
+        registry = None if registry_value is None else registry_value.decode(conn.info.encoding)
+    else:
+        in_recovery, pid, registry, timeouts = run(conn, _sql.PROBE, ctx)[0]
     if in_recovery:
         raise UnsupportedServer(
             "this server is a hot standby (pg_is_in_recovery() is true): advisory locks on a "

@@ -296,7 +296,8 @@ POOLER_MARK = "pglock.client"
 # session probed (pid) and that the session carries no other client's mark, tags it (empty),
 # and only then takes the keys in order. One row: the server pid, the mark found, and the
 # grants (NULL when a check failed: nothing was taken). CASE fixes the order of evaluation;
-# a CTE with a volatile function is evaluated once.
+# a CTE with a volatile function is evaluated once. The unlock checks the same (an empty mark
+# is allowed: a mark set in the caller's transaction is gone when it rolled back).
 _POOLED_LOCK = (
     "WITH s AS (SELECT pg_catalog.pg_backend_pid()::int8 AS pid,"
     " coalesce(pg_catalog.current_setting({mark_name}, true), '') AS mark),"
@@ -309,7 +310,7 @@ _POOLED_LOCK = (
 _POOLED_UNLOCK = (
     "WITH c AS (SELECT pg_catalog.pg_backend_pid()::int8 AS pid,"
     " coalesce(pg_catalog.current_setting({mark_name}, true), '') AS mark)"
-    " SELECT c.pid, c.mark, CASE WHEN c.pid = {pid} AND c.mark = {client}"
+    " SELECT c.pid, c.mark, CASE WHEN c.pid = {pid} AND c.mark IN ('', {client})"
     " THEN (SELECT pg_catalog.bool_and({func}(k)) FROM unnest({keys}) AS k) END FROM c"
 )
 
