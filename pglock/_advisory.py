@@ -421,11 +421,10 @@ def _pooled_session_lock(
     in itself that its server session is the one probed and carries no other client's mark
     (docs/pgbouncer.md, "Sharing checks"); when either fails nothing is taken, the sharing is
     recorded and the lock refused."""
-    if not state.client:
-        state.client = _conn.new_client_mark()
     assert state.backend_pid is not None
     try_ = timeout == 0
-    lock = _sql.pooled_lock(keys, state.backend_pid, state.client, shared=shared, try_=try_)
+    mark = _conn.client_mark(conn)
+    lock = _sql.pooled_lock(keys, state.backend_pid, mark, shared=shared, try_=try_)
     stmt: sql.Composed = _session_batch(
         conn, status, keys, shared=shared, try_=try_, limit=wait_limit(timeout, state), lock=lock
     ) or lock
@@ -449,7 +448,8 @@ def _pooled_session_lock(
     _registry.mark(conn, registering)
     if not try_:
         return True
-    return _all_or_nothing(conn, status, list(zip(keys, grants, strict=True)), keys, shared, state)
+    pooled = (state, mark)
+    return _all_or_nothing(conn, status, list(zip(keys, grants, strict=True)), keys, shared, pooled)
 
 
 def sharing_observed(state: ConnState, pid: int, mark: str) -> str:
@@ -486,24 +486,26 @@ def _lock_statement(
 
 def _all_or_nothing(
     conn: psycopg.Connection[Any], status: Any, rows: list[tuple[Any, ...]], keys: list[int],
-    shared: bool, pooled: ConnState | None = None,
+    shared: bool, pooled: tuple[ConnState, str] | None = None,
 ) -> bool:
     """After a try-lock: True if every key was granted, else give back those that were (with
-    the sharing checks when ``pooled``, the connection's state)."""
+    the sharing checks when ``pooled``: the connection's state and mark)."""
     got = [k for k, ok in rows if ok]
     if len(got) == len(keys):
         return True
     if got:
         unlock = _sql.unlock(got, shared=shared) if pooled is None else _pooled_unlock_sql(
-            pooled, got, shared
+            *pooled, got, shared
         )
         in_own_transaction(conn, status, lambda: _conn.run(conn, unlock))
     return False
 
 
-def _pooled_unlock_sql(state: ConnState, keys: list[int], shared: bool) -> sql.Composed:
+def _pooled_unlock_sql(
+    state: ConnState, mark: str, keys: list[int], shared: bool
+) -> sql.Composed:
     assert state.backend_pid is not None
-    return _sql.pooled_unlock(keys, state.backend_pid, state.client, shared=shared)
+    return _sql.pooled_unlock(keys, state.backend_pid, mark, shared=shared)
 
 
 def _session_batch(
@@ -598,15 +600,16 @@ def _session_unlock(
         return
 
     prepared = state.prepared
-    pooled = state.pooler and bool(state.client)  # taken through a pooler, with its checks
+    # Taken through a pooler with the sharing checks: the unlock checks too.
+    mark = _conn.client_mark(conn, create=False) if state.pooler else ""
 
     def unlock_all() -> bool:
         ok = True
         for shared, keys in by_mode.items():
-            if pooled:
-                pid, mark, held = _conn.run(conn, _pooled_unlock_sql(state, keys, shared))[0]
+            if mark:
+                pid, found, held = _conn.run(conn, _pooled_unlock_sql(state, mark, keys, shared))[0]
                 if held is None:
-                    raise LockLost.for_names(names, sharing_observed(state, pid, mark))
+                    raise LockLost.for_names(names, sharing_observed(state, pid, found))
                 ok = held and ok
                 continue
             if len(keys) == 1:

@@ -676,7 +676,6 @@ class ConnState:
         #: What showed that the server session is shared (transaction pooling): session locks
         #: are refused from then on, without SQL.
         self.sharing: str | None = None
-        self.client = ""  # this connection's mark on its server session (see _sql.POOLER_MARK)
         self.session_timeouts = False  # a statement/lock_timeout of its own: waits override them
         #: Why handles that still believe they hold a lock on the connection raise LockLost
         #: (set when the bookkeeping was dropped, for example by the pool reset).
@@ -764,9 +763,21 @@ def declare(state: ConnState, pooler: str) -> str:
     return state.declared or "auto"
 
 
-def new_client_mark() -> str:
-    """A random mark for one connection's server session (64 bits: no collision in practice)."""
-    return secrets.token_hex(8)
+#: Each connection's mark on its server session (_sql.POOLER_MARK): outlives its ConnState (a
+#: pool reset forgets that, and the server session keeps the mark).
+_marks = weakref.WeakKeyDictionary[psycopg.Connection[Any], str]()
+
+
+def client_mark(conn: psycopg.Connection[Any], *, create: bool = True) -> str:
+    """The random mark of ``conn`` (64 bits: no collision in practice); "" if it has none and
+    ``create`` is false."""
+    with _registry_lock:
+        mark = _marks.get(conn)
+        if mark is None:
+            if not create:
+                return ""
+            mark = _marks[conn] = secrets.token_hex(8)
+        return mark
 
 
 def pooler_error(state: ConnState, mode: str = "auto") -> UnsupportedServer:

@@ -477,11 +477,11 @@ def _server_pid(conn: psycopg.Connection[Any]) -> int | None:
     return _conn.state_for(conn).backend_pid
 
 
-def _pool(bouncer: Bouncer, app_name: str, dbname: str | None = None) -> Any:
+def _pool(bouncer: Bouncer, app_name: str, max_size: int = 2) -> Any:
     pool = psycopg_pool.ConnectionPool(
-        bouncer.dsn(dbname),
+        bouncer.dsn(),
         min_size=1,
-        max_size=2,
+        max_size=max_size,
         kwargs={"application_name": app_name, "prepare_threshold": None},
         reset=pglock.reset_connection,
         open=False,
@@ -558,6 +558,21 @@ def test_session_pooling_pool_lock_and_locker_with_the_override(
             assert holders(other, name) == []
         stats = pool.get_stats()
         assert stats.get("returns_bad", 0) == 0, stats
+
+
+def test_session_pooling_a_pooled_connection_keeps_its_mark_across_resets(
+    session_bouncer: Bouncer, app_name: str, other: psycopg.Connection[Any], name: str
+) -> None:
+    """The pool reset drops pglock's bookkeeping of a connection, not the mark its server
+    session carries: the next checkout of the same connection is the same client."""
+    with _pool(session_bouncer, app_name, max_size=1) as pool:
+        pids = set()
+        for _ in range(3):
+            with pglock.pool_lock(pool, name, pooler="session", timeout=5) as conn:
+                pids.add(_server_pid(conn))
+                assert holders(other, name) == [_server_pid(conn)]
+        assert len(pids) == 1  # one connection, one server session, checked out three times
+        assert holders(other, name) == []
 
 
 def test_session_pooling_none_skips_every_check(
