@@ -424,32 +424,47 @@ def _pooled_session_lock(
     assert state.backend_pid is not None
     try_ = timeout == 0
     mark = _conn.client_mark(conn)
-    lock = _sql.pooled_lock(keys, state.backend_pid, mark, shared=shared, try_=try_)
-    stmt: sql.Composed = _session_batch(
-        conn, status, keys, shared=shared, try_=try_, limit=wait_limit(timeout, state), lock=lock
-    ) or lock
+    query, params = _sql.POOLED_LOCK[(shared, try_)], (keys, state.backend_pid, mark)
+    stmt = _session_batch(
+        conn, status, keys, shared=shared, try_=try_, limit=wait_limit(timeout, state),
+        lock=_sql.with_literals(query, params),
+    )
     registering = _registry.pending(
         conn, state, ctx.keys, ctx.names, own_transaction=status != INTRANS
     )
     if registering:
-        stmt = sql.SQL("; ").join([stmt, _registry.statement(registering)])
+        stmt = sql.SQL("; ").join([stmt or _sql.with_literals(query, params),
+                                   _registry.statement(registering)])
     try:
-        rows = _conn.run(conn, stmt, ctx)
+        if stmt is None:  # the statement alone, not prepared (a pooler may not keep it)
+            row = _pooled_row(_conn.call(conn, query, params, ctx))
+        else:
+            row = _conn.run(conn, stmt, ctx)[0]
         if status == IDLE and not conn.autocommit:
             conn.commit()
     except BaseException as exc:
         return _failed_attempt(
             conn, state, status, keys, ctx, exc, shared=shared, timeout=timeout, pooler="session"
         )
-    pid, mark, grants = rows[0]
+    pid, found, grants = row
     if grants is None:
-        sharing_observed(state, pid, mark)
+        sharing_observed(state, pid, found)
         raise _conn.pooler_error(state, "session")
     _registry.mark(conn, registering)
     if not try_:
         return True
-    pooled = (state, mark)
-    return _all_or_nothing(conn, status, list(zip(keys, grants, strict=True)), keys, shared, pooled)
+    rows = [(k, g == "t") for k, g in zip(keys, grants, strict=True)]
+    return _all_or_nothing(conn, status, rows, keys, shared, (state, mark))
+
+
+def _pooled_row(res: Any) -> tuple[int, str, Any]:
+    """The row of a pooled statement sent by _conn.call: (server pid, mark found, result), the
+    result text (grants) or a boolean (held), None when a check failed."""
+    found = res.get_value(0, 1)
+    value = res.get_value(0, 2)
+    if value is not None:
+        value = value.decode() if res.ftype(2) == 25 else _conn.truth(res, 0, 2)
+    return _conn.bigint(res), (found or b"").decode(), value
 
 
 def sharing_observed(state: ConnState, pid: int, mark: str) -> str:
@@ -486,7 +501,7 @@ def _lock_statement(
 
 def _all_or_nothing(
     conn: psycopg.Connection[Any], status: Any, rows: list[tuple[Any, ...]], keys: list[int],
-    shared: bool, pooled: tuple[ConnState, str] | None = None,
+    shared: bool, pooled: tuple[ConnState, int] | None = None,
 ) -> bool:
     """After a try-lock: True if every key was granted, else give back those that were (with
     the sharing checks when ``pooled``: the connection's state and mark)."""
@@ -502,10 +517,10 @@ def _all_or_nothing(
 
 
 def _pooled_unlock_sql(
-    state: ConnState, mark: str, keys: list[int], shared: bool
+    state: ConnState, mark: int, keys: list[int], shared: bool
 ) -> sql.Composed:
     assert state.backend_pid is not None
-    return _sql.pooled_unlock(keys, state.backend_pid, mark, shared=shared)
+    return _sql.with_literals(_sql.POOLED_UNLOCK[shared], (keys, state.backend_pid, mark))
 
 
 def _session_batch(
@@ -601,13 +616,16 @@ def _session_unlock(
 
     prepared = state.prepared
     # Taken through a pooler with the sharing checks: the unlock checks too.
-    mark = _conn.client_mark(conn, create=False) if state.pooler else ""
+    mark = _conn.client_mark(conn, create=False) if state.pooler else 0
 
     def unlock_all() -> bool:
         ok = True
         for shared, keys in by_mode.items():
             if mark:
-                pid, found, held = _conn.run(conn, _pooled_unlock_sql(state, mark, keys, shared))[0]
+                assert state.backend_pid is not None
+                pid, found, held = _pooled_row(_conn.call(
+                    conn, _sql.POOLED_UNLOCK[shared], (keys, state.backend_pid, mark)
+                ))
                 if held is None:
                     raise LockLost.for_names(names, sharing_observed(state, pid, found))
                 ok = held and ok

@@ -765,18 +765,18 @@ def declare(state: ConnState, pooler: str) -> str:
 
 #: Each connection's mark on its server session (_sql.POOLER_MARK): outlives its ConnState (a
 #: pool reset forgets that, and the server session keeps the mark).
-_marks = weakref.WeakKeyDictionary[psycopg.Connection[Any], str]()
+_marks = weakref.WeakKeyDictionary[psycopg.Connection[Any], int]()
 
 
-def client_mark(conn: psycopg.Connection[Any], *, create: bool = True) -> str:
-    """The random mark of ``conn`` (64 bits: no collision in practice); "" if it has none and
-    ``create`` is false."""
+def client_mark(conn: psycopg.Connection[Any], *, create: bool = True) -> int:
+    """The random mark of ``conn`` (62 bits, positive: no collision in practice); 0 if it has
+    none and ``create`` is false."""
     with _registry_lock:
         mark = _marks.get(conn)
         if mark is None:
             if not create:
-                return ""
-            mark = _marks[conn] = secrets.token_hex(8)
+                return 0
+            mark = _marks[conn] = secrets.randbits(62) | 1
         return mark
 
 

@@ -293,45 +293,46 @@ def unlock(keys: Sequence[int], *, shared: bool) -> sql.Composed:
 POOLER_MARK = "pglock.client"
 
 # Through a pooler declared to pool sessions: one statement checks that it runs on the server
-# session probed (pid) and that the session carries no other client's mark, tags it (empty),
-# and only then takes the keys in order. One row: the server pid, the mark found, and the
-# grants (NULL when a check failed: nothing was taken). CASE fixes the order of evaluation;
-# a CTE with a volatile function is evaluated once. The unlock checks the same (an empty mark
-# is allowed: a mark set in the caller's transaction is gone when it rolled back).
-_POOLED_LOCK = (
-    "WITH s AS (SELECT pg_catalog.pg_backend_pid()::int8 AS pid,"
-    " coalesce(pg_catalog.current_setting({mark_name}, true), '') AS mark),"
-    " c AS (SELECT pid, mark, CASE WHEN pid = {pid} AND mark IN ('', {client})"
-    " THEN pg_catalog.set_config({mark_name}, {client}, false) = {client} ELSE false END AS ok"
-    " FROM s)"
-    " SELECT c.pid, c.mark, CASE WHEN c.ok THEN (SELECT pg_catalog.array_agg({grant} ORDER BY"
-    " t.i) FROM unnest({keys}) WITH ORDINALITY AS t(k, i)) END FROM c"
-)
-_POOLED_UNLOCK = (
-    "WITH c AS (SELECT pg_catalog.pg_backend_pid()::int8 AS pid,"
-    " coalesce(pg_catalog.current_setting({mark_name}, true), '') AS mark)"
-    " SELECT c.pid, c.mark, CASE WHEN c.pid = {pid} AND c.mark IN ('', {client})"
-    " THEN (SELECT pg_catalog.bool_and({func}(k)) FROM unnest({keys}) AS k) END FROM c"
-)
+# session probed ($2, its pid) and that the session carries no other client's mark (this
+# client's is $3), tags it, and only then takes the keys ($1, in order). One row: the server
+# pid, the mark found, and the grants as text, 't' or 'f' per key (NULL when a check failed:
+# nothing was taken). CASE fixes the order of evaluation; a CTE with a volatile function is
+# evaluated once. The unlock checks the same (an empty mark is allowed: pglock's savepoint in a
+# caller's transaction rolls the mark back) and returns whether every key was held, or NULL.
+# (shared, try) -> query; sent by pglock._conn.call, or with literals in a batch (with_literals).
+POOLED_LOCK = {
+    (shared, try_): (  # func is one of the fixed names above, never input
+        "WITH s AS (SELECT pg_catalog.pg_backend_pid()::int8 AS pid,"  # noqa: S608
+        " coalesce(pg_catalog.current_setting('pglock.client', true), '') AS mark),"
+        " c AS (SELECT pid, mark, CASE WHEN pid = $2 AND mark IN ('', $3::text)"
+        " THEN pg_catalog.set_config('pglock.client', $3::text, false) = $3::text"
+        " ELSE false END AS ok FROM s)"
+        " SELECT c.pid, c.mark, CASE WHEN c.ok THEN (SELECT pg_catalog.string_agg("
+        f"CASE WHEN pg_catalog.{func}(t.k){'' if try_ else ' IS NOT NULL'} THEN 't' ELSE 'f' END,"
+        " '' ORDER BY t.i) FROM unnest($1::bigint[]) WITH ORDINALITY AS t(k, i)) END FROM c"
+    ).encode()
+    for (xact, shared, try_), func in _LOCK_FUNCS.items()
+    if not xact
+}
+POOLED_UNLOCK = {
+    shared: (
+        "WITH c AS (SELECT pg_catalog.pg_backend_pid()::int8 AS pid,"  # noqa: S608
+        " coalesce(pg_catalog.current_setting('pglock.client', true), '') AS mark)"
+        " SELECT c.pid, c.mark, CASE WHEN c.pid = $2 AND c.mark IN ('', $3::text)"
+        f" THEN (SELECT pg_catalog.bool_and(pg_catalog.{func}(k)) FROM unnest($1::bigint[]) AS k)"
+        " END FROM c"
+    ).encode()
+    for shared, func in _UNLOCK_FUNCS.items()
+}
 
 
-def pooled_lock(
-    keys: Sequence[int], pid: int, client: str, *, shared: bool, try_: bool
-) -> sql.Composed:
-    """See ``_POOLED_LOCK``: one row ``(server pid, mark found, grants[] or NULL)``."""
-    func = sql.Identifier("pg_catalog", _LOCK_FUNCS[(False, shared, try_)])
-    grant = sql.SQL("{}(t.k)" if try_ else "{}(t.k) IS NOT NULL").format(func)
-    return sql.SQL(_POOLED_LOCK).format(
-        mark_name=sql.Literal(POOLER_MARK), pid=sql.Literal(pid), client=sql.Literal(client),
-        grant=grant, keys=_keys_array(keys),
-    )
-
-
-def pooled_unlock(keys: Sequence[int], pid: int, client: str, *, shared: bool) -> sql.Composed:
-    """See ``_POOLED_UNLOCK``: one row ``(server pid, mark found, all held? or NULL)``."""
-    return sql.SQL(_POOLED_UNLOCK).format(
-        mark_name=sql.Literal(POOLER_MARK), pid=sql.Literal(pid), client=sql.Literal(client),
-        func=sql.Identifier("pg_catalog", _UNLOCK_FUNCS[shared]), keys=_keys_array(keys),
+def with_literals(query: bytes, params: Sequence[int | Sequence[int]]) -> sql.Composed:
+    """A fixed ``$n`` statement with bigint or bigint[] parameters as literals, for a batch."""
+    text = query.decode()
+    for n in range(len(params), 0, -1):  # $10 before $1
+        text = text.replace(f"${n}", f"{{{n - 1}}}")
+    return sql.SQL(text).format(
+        *(sql.Literal(p) if isinstance(p, int) else _keys_array(p) for p in params)
     )
 
 

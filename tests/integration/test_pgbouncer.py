@@ -527,6 +527,16 @@ def test_session_pooling_declared_session_locks_exclude(
         assert holders(other, name) == [_server_pid(b)] != [_server_pid(a)]
         assert holders(other, f"{name}:2") == [_server_pid(b)]
     assert holders(other, name) == holders(other, f"{name}:2") == []
+    # all or nothing: a try of two names, one held elsewhere, gives back the one it got
+    with pglock.pg_lock(a, f"{name}:2", pooler="session"):
+        assert not pglock.pg_lock(b, [name, f"{name}:2"], pooler="session").acquire(timeout=0)
+        assert holders(other, name) == []
+    # shared locks coexist
+    with pglock.pg_lock(a, name, shared=True, pooler="session"), pglock.pg_lock(
+        b, name, shared=True, pooler="session", timeout=5
+    ):
+        assert sorted(holders(other, name)) == sorted([_server_pid(a), _server_pid(b)])
+    assert holders(other, name) == holders(other, f"{name}:2") == []
 
 
 def test_session_pooling_lock_in_the_callers_transaction_survives_its_rollback(
