@@ -80,13 +80,14 @@ class PgLock(BaseLock):
 
     def __init__(
         self, conn: object, names: str | Sequence[str], *, shared: bool = False,
-        timeout: float | None = None,
+        timeout: float | None = None, pooler: str = "auto",
     ) -> None:
         pairs = normalize_names(names)
         self._keys = [k for k, _ in pairs]
         self._names = [n for _, n in pairs]
         self._shared = validate_flag(shared, "shared")
         self._timeout = validate_timeout(timeout)
+        self._pooler = _conn.validate_pooler(pooler)
         self._target: Target = _conn.resolve(conn, "pg_lock")
         self._mutex = threading.Lock()
         self._owner: threading.Thread | None = None
@@ -140,6 +141,7 @@ class PgLock(BaseLock):
                 ok = acquire(
                     self._target, state, self._keys, self._names,
                     shared=self._shared, timeout=timeout, flight=flight,
+                    pooler=_conn.declare(state, self._pooler),
                 )
                 if ok:
                     # No calls between the grant and recording it: an interrupt cannot land here.
@@ -184,6 +186,7 @@ class PgLock(BaseLock):
 
 def pg_lock(
     conn: object, names: str | Sequence[str], *, shared: bool = False, timeout: float | None = None,
+    pooler: str = "auto",
 ) -> PgLock:
     """A session-level advisory lock on ``conn``, as a context manager.
 
@@ -194,15 +197,22 @@ def pg_lock(
     :param timeout: ``None`` waits until acquired; ``0`` tries once; ``> 0`` waits that many
         seconds. The ``with`` block raises :class:`pglock.LockNotAcquired` when not acquired;
         :meth:`PgLock.acquire` returns False.
-    :raises TypeError: a name, the timeout or the connection has the wrong type.
-    :raises ValueError: an invalid name or timeout (checked before any SQL is sent).
+    :param pooler: what sits between ``conn`` and Postgres (docs/pgbouncer.md): ``"auto"``
+        (default: a direct connection is used as is, a pooler is refused), ``"session"`` (a
+        session-mode pooler: allowed, refused as soon as sharing is observed),
+        ``"transaction"`` (a transaction- or statement-mode pooler: always refused) or
+        ``"none"`` (no pooler, whatever the pids say: no check). Kept for the connection.
+    :raises TypeError: a name, the timeout, ``pooler`` or the connection has the wrong type.
+    :raises ValueError: an invalid name, timeout or ``pooler`` (checked before any SQL is sent).
+    :raises pglock.UnsupportedServer: a hot standby, or a pooler that session locks cannot
+        work through (at ``with`` / :meth:`PgLock.acquire`).
 
     Example::
 
         with pglock.pg_lock(conn, "account:1", timeout=5):
             charge(account=1)
     """
-    return PgLock(conn, names, shared=shared, timeout=timeout)
+    return PgLock(conn, names, shared=shared, timeout=timeout, pooler=pooler)
 
 
 def reserved(
@@ -297,7 +307,7 @@ def housekeeping(conn: psycopg.Connection[Any], state: ConnState, ctx: Context) 
 
 def acquire(
     target: Target, state: ConnState, keys: list[int], names: list[str], *, shared: bool,
-    timeout: float | None, flight: Flight,
+    timeout: float | None, flight: Flight, pooler: str = "auto",
 ) -> bool:
     """Take a session lock on ``keys`` for this thread: in-process, then in Postgres for the
     keys the session does not hold yet. False when not acquired in time, or once closed."""
@@ -322,7 +332,9 @@ def acquire(
             names if len(need) == len(keys) else [names[keys.index(k)] for k in need],
             need, timeout, _conn.answer_deadline(deadline), flight=flight,
         )
-        granted = _session_lock(conn, state, need, ctx, shared=shared, timeout=_remaining(deadline))
+        granted = _session_lock(
+            conn, state, need, ctx, shared=shared, timeout=_remaining(deadline), pooler=pooler
+        )
         if granted:
             _holds.settle(state, need, ())
             logger.debug("acquired %r (%s)", names, "shared" if shared else "exclusive")
@@ -341,14 +353,18 @@ def acquire(
 
 def _session_lock(
     conn: psycopg.Connection[Any], state: ConnState, keys: list[int], ctx: Context, *,
-    shared: bool, timeout: float | None,
+    shared: bool, timeout: float | None, pooler: str = "auto",
 ) -> bool:
     status = _conn.check_usable(conn)
+    if pooler == "transaction" or state.sharing is not None:
+        raise _conn.pooler_error(state, pooler)
     if state.deferred or not state.probed:
         quiet = dataclasses.replace(ctx, flight=None)  # close() cancels the lock statement only
         in_own_transaction(conn, status, lambda: housekeeping(conn, state, quiet))
-    if state.pooler:
-        raise _conn.pooler_error(state)
+    if state.pooler and pooler != "none":
+        if pooler != "session":
+            raise _conn.pooler_error(state, pooler)
+        return _pooled_session_lock(conn, state, status, keys, ctx, shared=shared, timeout=timeout)
     try_ = timeout == 0
     stmt = _session_batch(
         conn, status, keys, shared=shared, try_=try_, limit=wait_limit(timeout, state)
@@ -377,14 +393,100 @@ def _session_lock(
                 conn.commit()
         _registry.mark(conn, registering)
     except BaseException as exc:
-        _after_failed_session_lock(conn, status, keys, shared)
-        if not isinstance(exc, (LockNotAcquired, _conn.Woken)):
-            raise
-        woken = ctx.flight is not None and ctx.flight.stop()  # close(): not the timeouts
-        if not woken and cut_short(conn, state, timeout):
-            return _session_lock(conn, state, keys, ctx, shared=shared, timeout=timeout)
-        return False
+        return _failed_attempt(conn, state, status, keys, ctx, exc, shared=shared, timeout=timeout)
     return not try_ or _all_or_nothing(conn, status, rows, keys, shared)
+
+
+def _failed_attempt(
+    conn: psycopg.Connection[Any], state: ConnState, status: Any, keys: list[int], ctx: Context,
+    exc: BaseException, *, shared: bool, timeout: float | None, pooler: str = "auto",
+) -> bool:
+    """After a session-lock statement failed: nothing held, the caller's transaction as it was;
+    False when not acquired (or once closed), another attempt after the session's own timeout
+    cut it short, else ``exc`` again."""
+    _after_failed_session_lock(conn, status, keys, shared)
+    if not isinstance(exc, (LockNotAcquired, _conn.Woken)):
+        raise exc
+    woken = ctx.flight is not None and ctx.flight.stop()  # close(): not the timeouts
+    if not woken and cut_short(conn, state, timeout):
+        return _session_lock(conn, state, keys, ctx, shared=shared, timeout=timeout, pooler=pooler)
+    return False
+
+
+def _pooled_session_lock(
+    conn: psycopg.Connection[Any], state: ConnState, status: Any, keys: list[int], ctx: Context,
+    *, shared: bool, timeout: float | None,
+) -> bool:
+    """A session lock through a pooler declared to pool sessions: every lock statement checks
+    in itself that its server session is the one probed and carries no other client's mark
+    (docs/pgbouncer.md, "Sharing checks"); when either fails nothing is taken, the sharing is
+    recorded and the lock refused."""
+    assert state.backend_pid is not None
+    try_ = timeout == 0
+    mark = _conn.client_mark(conn)
+    query, params = _sql.POOLED_LOCK[(shared, try_)], (keys, state.backend_pid, mark)
+    stmt = _session_batch(
+        conn, status, keys, shared=shared, try_=try_, limit=wait_limit(timeout, state),
+        lock=_sql.with_literals(query, params),
+    )
+    registering = _registry.pending(
+        conn, state, ctx.keys, ctx.names, own_transaction=status != INTRANS
+    )
+    if registering:
+        stmt = sql.SQL("; ").join([stmt or _sql.with_literals(query, params),
+                                   _registry.statement(registering)])
+    try:
+        if stmt is None:  # the statement alone, not prepared (a pooler may not keep it)
+            row = _pooled_row(_conn.call(conn, query, params, ctx))
+        else:
+            row = _conn.run(conn, stmt, ctx)[0]
+        if status == IDLE and not conn.autocommit:
+            conn.commit()
+    except BaseException as exc:
+        return _failed_attempt(
+            conn, state, status, keys, ctx, exc, shared=shared, timeout=timeout, pooler="session"
+        )
+    pid, found, grants = row
+    if grants is None:
+        sharing_observed(state, pid, found)
+        raise _conn.pooler_error(state, "session")
+    _registry.mark(conn, registering)
+    if not try_:
+        return True
+    rows = [(k, g == "t") for k, g in zip(keys, grants, strict=True)]
+    return _all_or_nothing(conn, status, rows, keys, shared, (state, mark))
+
+
+def _pooled_row(res: Any) -> tuple[int, str, Any]:
+    """The row of a pooled statement sent by _conn.call: (server pid, mark found, result), the
+    result text (grants) or a boolean (held), None when a check failed."""
+    found = res.get_value(0, 1)
+    value = res.get_value(0, 2)
+    if value is not None:
+        value = value.decode() if res.ftype(2) == 25 else _conn.truth(res, 0, 2)
+    return _conn.bigint(res), (found or b"").decode(), value
+
+
+def sharing_observed(state: ConnState, pid: int, mark: str) -> str:
+    """Record what a pooled statement found: another server session, or another client's mark
+    on this one. Locks this connection believed it held are lost: they stay with the server
+    session they were taken on, which this connection may never reach again. Returns why."""
+    if pid != state.backend_pid:
+        what = f"a statement ran on server session pid {pid}, not pid {state.backend_pid}"
+    else:
+        what = f"server session pid {pid} carries another client's mark {mark!r}"
+    lost = (
+        f"transaction pooling observed ({what}): the lock stays with server session pid "
+        f"{state.backend_pid} until that session ends"
+    )
+    with state.lock:
+        state.sharing = what
+        held = any(not hold.pending for hold in state.holds.values())
+        if held and state.lost is None:
+            state.lost = lost
+        state.cond.notify_all()
+    logger.warning("transaction pooling observed (%s): session locks refused from now on", what)
+    return lost
 
 
 def _lock_statement(
@@ -399,26 +501,38 @@ def _lock_statement(
 
 def _all_or_nothing(
     conn: psycopg.Connection[Any], status: Any, rows: list[tuple[Any, ...]], keys: list[int],
-    shared: bool,
+    shared: bool, pooled: tuple[ConnState, int] | None = None,
 ) -> bool:
-    """After a try-lock: True if every key was granted, else give back those that were."""
+    """After a try-lock: True if every key was granted, else give back those that were (with
+    the sharing checks when ``pooled``: the connection's state and mark)."""
     got = [k for k, ok in rows if ok]
     if len(got) == len(keys):
         return True
     if got:
-        in_own_transaction(conn, status, lambda: _conn.run(conn, _sql.unlock(got, shared=shared)))
+        unlock = _sql.unlock(got, shared=shared) if pooled is None else _pooled_unlock_sql(
+            *pooled, got, shared
+        )
+        in_own_transaction(conn, status, lambda: _conn.run(conn, unlock))
     return False
+
+
+def _pooled_unlock_sql(
+    state: ConnState, mark: int, keys: list[int], shared: bool
+) -> sql.Composed:
+    assert state.backend_pid is not None
+    return _sql.with_literals(_sql.POOLED_UNLOCK[shared], (keys, state.backend_pid, mark))
 
 
 def _session_batch(
     conn: psycopg.Connection[Any], status: Any, keys: list[int], *, shared: bool, try_: bool,
-    limit: int | None,
+    limit: int | None, lock: sql.Composed | None = None,
 ) -> sql.Composed | None:
-    """The batch a session-lock attempt sends; None for the lock statement alone (no timeout to
-    set, no caller's transaction)."""
+    """The batch a session-lock attempt sends (around ``lock``, by default the plain lock
+    statement); None for the lock statement alone (no timeout to set, no caller's
+    transaction)."""
     if status != INTRANS and limit is None:
         return None
-    lock = _sql.lock(keys, shared=shared, xact=False, try_=try_)
+    lock = lock or _sql.lock(keys, shared=shared, xact=False, try_=try_)
     if status == INTRANS:
         # In the caller's transaction: a savepoint keeps it usable if the attempt fails, and
         # rolling back to it undoes SET LOCAL; session locks survive the rollback.
@@ -501,10 +615,21 @@ def _session_unlock(
         return
 
     prepared = state.prepared
+    # Taken through a pooler with the sharing checks: the unlock checks too.
+    mark = _conn.client_mark(conn, create=False) if state.pooler else 0
 
     def unlock_all() -> bool:
         ok = True
         for shared, keys in by_mode.items():
+            if mark:
+                assert state.backend_pid is not None
+                pid, found, held = _pooled_row(_conn.call(
+                    conn, _sql.POOLED_UNLOCK[shared], (keys, state.backend_pid, mark)
+                ))
+                if held is None:
+                    raise LockLost.for_names(names, sharing_observed(state, pid, found))
+                ok = held and ok
+                continue
             if len(keys) == 1:
                 res = _conn.call(conn, _sql.UNLOCK_ONE[shared], (keys[0],), prepared=prepared)
             else:

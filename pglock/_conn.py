@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import secrets
 import select
 import struct
 import threading
@@ -670,6 +671,11 @@ class ConnState:
         self.deferred: list[tuple[int, bool]] = []  # unlocks not sent (failed transaction at exit)
         self.xact: dict[int, XactHold] = {}  # a record may outlive its lock (pg_locks decides)
         self.pooler = False  # a pooler (PgBouncer) sits between: see probe()
+        #: What the caller declared about a pooler (``pooler=`` other than "auto"), if anything.
+        self.declared: str | None = None
+        #: What showed that the server session is shared (transaction pooling): session locks
+        #: are refused from then on, without SQL.
+        self.sharing: str | None = None
         self.session_timeouts = False  # a statement/lock_timeout of its own: waits override them
         #: Why handles that still believe they hold a lock on the connection raise LockLost
         #: (set when the bookkeeping was dropped, for example by the pool reset).
@@ -701,9 +707,17 @@ def forget(conn: psycopg.Connection[Any], *, lost: str | None = None) -> ConnSta
 
 
 def probe(conn: psycopg.Connection[Any], state: ConnState, ctx: Context | None = None) -> None:
-    """Once per connection (in the caller's transaction): refuse a hot standby, note the pid."""
-    rows = run(conn, _sql.PROBE, ctx)
-    in_recovery, pid, registry, timeouts = rows[0]
+    """Once per connection (in the caller's transaction, if one is open): refuse a hot standby,
+    note the pid."""
+    if conn.pgconn.transaction_status == IDLE and not conn.autocommit and direct(conn):
+        # Not in a transaction of psycopg's (BEGIN): statement pooling ends the client that
+        # opens one, so the probe could not even report the pooler (docs/pgbouncer.md).
+        res = call(conn, _sql.PROBE.as_bytes(conn), (), ctx)
+        registry_value = res.get_value(0, 2)
+        in_recovery, pid, timeouts = truth(res), bigint(res, 0, 1), truth(res, 0, 3)
+        registry = None if registry_value is None else registry_value.decode(conn.info.encoding)
+    else:
+        in_recovery, pid, registry, timeouts = run(conn, _sql.PROBE, ctx)[0]
     if in_recovery:
         raise UnsupportedServer(
             "this server is a hot standby (pg_is_in_recovery() is true): advisory locks on a "
@@ -721,14 +735,74 @@ def probe(conn: psycopg.Connection[Any], state: ConnState, ctx: Context | None =
     state.probed = True
 
 
-def pooler_error(state: ConnState) -> UnsupportedServer:
-    """The error for a session lock asked for through a connection pooler."""
-    return UnsupportedServer(
-        "a connection pooler (such as PgBouncer) sits between this connection and Postgres "
-        f"(the server session is pid {state.backend_pid}, the connection was told another): "
+#: The values of ``pooler=`` (docs/pgbouncer.md).
+POOLER_MODES = ("auto", "session", "transaction", "none")
+
+
+def validate_pooler(value: object) -> str:
+    """``pooler=`` checked before any SQL: one of :data:`POOLER_MODES`."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"pooler must be a str, one of {', '.join(map(repr, POOLER_MODES))}, "
+            f"not {type(value).__name__}"
+        )
+    if value not in POOLER_MODES:
+        raise ValueError(
+            f"pooler must be one of {', '.join(map(repr, POOLER_MODES))}, not {value!r}"
+        )
+    return value
+
+
+def declare(state: ConnState, pooler: str) -> str:
+    """Record an explicit ``pooler=`` on the connection (the latest wins); the mode in force:
+    the one declared now or before, else "auto"."""
+    if pooler != "auto":
+        with state.lock:
+            state.declared = pooler
+        return pooler
+    return state.declared or "auto"
+
+
+#: Each connection's mark on its server session (_sql.POOLER_MARK): outlives its ConnState (a
+#: pool reset forgets that, and the server session keeps the mark).
+_marks = weakref.WeakKeyDictionary[psycopg.Connection[Any], int]()
+
+
+def client_mark(conn: psycopg.Connection[Any], *, create: bool = True) -> int:
+    """The random mark of ``conn`` (62 bits, positive: no collision in practice); 0 if it has
+    none and ``create`` is false."""
+    with _registry_lock:
+        mark = _marks.get(conn)
+        if mark is None:
+            if not create:
+                return 0
+            mark = _marks[conn] = secrets.randbits(62) | 1
+        return mark
+
+
+def pooler_error(state: ConnState, mode: str = "auto") -> UnsupportedServer:
+    """The error for a session lock refused because of a connection pooler: declared
+    ``pooler="transaction"``, sharing observed, or a pooler of unknown mode (``auto``)."""
+    tail = (
         "session-level advisory locks need one server session for the whole hold, and "
         "transaction or statement pooling hands each transaction to any server connection. "
         "Use pglock.xact_lock (released at commit) or pglock.lease (TTL leases), which work "
         "through a pooler, or connect to Postgres directly for session locks "
         "(see docs/pgbouncer.md)"
+    )
+    if state.sharing is not None:
+        return UnsupportedServer(
+            f"transaction pooling observed on this connection ({state.sharing}): a connection "
+            f"pooler shares the server session with other clients; {tail}"
+        )
+    if mode == "transaction":
+        return UnsupportedServer(
+            f'pooler="transaction" was given for this connection (a connection pooler in '
+            f"transaction or statement mode): {tail}"
+        )
+    return UnsupportedServer(
+        "a connection pooler (such as PgBouncer) sits between this connection and Postgres "
+        f"(the server session is pid {state.backend_pid}, the connection was told another): "
+        f"{tail}. Its mode cannot be told from one connection: if it pools sessions (PgBouncer "
+        'pool_mode = session), pass pooler="session"'
     )

@@ -12,6 +12,7 @@ from typing import Any, cast
 from psycopg_pool import ConnectionPool
 
 from ._classify import SOURCES, Deferred, Kind, classify
+from ._conn import validate_pooler
 from ._contract import validate_schema
 from ._deadline import connect_extra
 from ._keys import normalize_names, validate_name, validate_timeout
@@ -60,6 +61,8 @@ class Locker:
         it follows the rules for names and must not contain ``':'``.
     :param schema: the schema of the lease table and functions (leases only).
     :param timeout: the default ``timeout`` of :meth:`lock`, :meth:`lease` and :meth:`rwlock`.
+    :param pooler: the default ``pooler`` of :meth:`lock` (see :func:`pglock.pool_lock`):
+        ``"auto"``, ``"session"``, ``"transaction"`` or ``"none"`` (docs/pgbouncer.md).
     :param pool_kwargs: extra keyword arguments for the ``ConnectionPool`` a DSN Locker creates
         (defaults: ``min_size=1``, ``max_size=10``); refused for a pool or engine source.
 
@@ -76,10 +79,12 @@ class Locker:
     def __init__(
         self, source: object, *, namespace: str | None = None, schema: str = "pglock",
         timeout: float | None = None, pool_kwargs: Mapping[str, Any] | None = None,
+        pooler: str = "auto",
     ) -> None:
         self._namespace = _validate_namespace(namespace)
         self._schema = validate_schema(schema)
         self._timeout = validate_timeout(timeout)
+        self._pooler = validate_pooler(pooler)
         self._dsn: str | None = None
         self._external: object = None
         if classify(source, SOURCES, api="Locker", hints=_USE_PG_LOCK) is Kind.DSN:
@@ -186,12 +191,14 @@ class Locker:
         """A session advisory lock on a pooled connection: :func:`pglock.pool_lock` with the
         namespace folded into the names, and the Locker's timeout by default.
 
-        :param options: those of :func:`pglock.pool_lock` (``shared``, ``timeout``).
+        :param options: those of :func:`pglock.pool_lock` (``shared``, ``timeout``,
+            ``pooler``: the Locker's by default).
         :raises pglock.LockNotAcquired: not acquired in time (at ``with``).
         :raises pglock.SelfDeadlock: this thread holds one of the names through this pool.
         :raises RuntimeError: the Locker is closed (at ``with``).
         """
         options.setdefault("timeout", self._timeout)
+        options.setdefault("pooler", self._pooler)
         return PoolLock(self._deferred, self._full_names(names), **options)
 
     def lease(self, name: str, **options: Unpack[LeaseOptions]) -> Lease:

@@ -161,6 +161,7 @@ class PoolLockOptions(TypedDict, total=False):
 
     shared: bool
     timeout: float | None
+    pooler: str
 
 
 class PoolLock(BaseLock):
@@ -176,11 +177,12 @@ class PoolLock(BaseLock):
 
     def __init__(
         self, source: object, names: str | Sequence[str], *, shared: bool = False,
-        timeout: float | None = None,
+        timeout: float | None = None, pooler: str = "auto",
     ) -> None:
         self._pairs = normalize_names(names)
         self._shared = validate_flag(shared, "shared")
         self._timeout = validate_timeout(timeout)
+        self._pooler = _conn.validate_pooler(pooler)
         self._kind: str | None = None if isinstance(source, Deferred) else _classify(source)
         self._given = source
         self._mutex = threading.Lock()
@@ -266,7 +268,7 @@ class PoolLock(BaseLock):
         with self._mutex:
             self._waiting = conn
         try:
-            lock = PgLock(conn, self.names, shared=self._shared)
+            lock = PgLock(conn, self.names, shared=self._shared, pooler=self._pooler)
             ok = not closed() and lock.acquire(timeout=_remaining(deadline))
         except BaseException as exc:
             # A lock attempt that failed on its own terms left nothing held; anything else
@@ -472,13 +474,19 @@ def pool_lock(
         * ``shared`` (default False): take a shared (read) lock;
         * ``timeout`` (default None): the default of ``acquire()`` and ``with``; ``> 0``
           bounds the whole wait, checkout included (with ``None`` or ``0`` the checkout waits
-          as the pool is configured to).
+          as the pool is configured to);
+        * ``pooler`` (default ``"auto"``): what sits between the pool and Postgres, as for
+          :func:`pglock.pg_lock` (``"auto"``, ``"session"``, ``"transaction"``, ``"none"``;
+          docs/pgbouncer.md).
     :raises pglock.LockNotAcquired: not acquired within ``timeout`` (or, for a psycopg_pool
         pool and ``timeout > 0``, no connection within it).
-    :raises pglock.UnsupportedServer: a hot standby, or a transaction-mode pooler in between.
+    :raises pglock.UnsupportedServer: a hot standby, or a pooler session locks cannot work
+        through (a pooler of unknown mode under ``pooler="auto"``, ``pooler="transaction"``,
+        or sharing observed).
     :raises pglock.SelfDeadlock: this thread already holds one of the names through this pool.
     :raises pglock.LockLost: at the exit, the lock was found gone (the connection discarded).
-    :raises TypeError: not a supported pool, engine or driver; bad names or timeout.
+    :raises TypeError: not a supported pool, engine or driver; bad names, timeout or pooler.
+    :raises ValueError: an invalid name, timeout or ``pooler`` value.
 
     Example::
 

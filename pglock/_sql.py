@@ -287,6 +287,55 @@ def unlock(keys: Sequence[int], *, shared: bool) -> sql.Composed:
     return sql.SQL("SELECT bool_and({}(k)) FROM unnest({}) AS k").format(func, _keys_array(keys))
 
 
+#: The custom setting that tags a server session behind a pooler with the pglock client using
+#: it (docs/pgbouncer.md, "Sharing checks"). Session-level: PgBouncer's reset (DISCARD ALL)
+#: clears it between the clients of session pooling; transaction pooling never resets it.
+POOLER_MARK = "pglock.client"
+
+# Through a pooler declared to pool sessions: one statement checks that it runs on the server
+# session probed ($2, its pid) and that the session carries no other client's mark (this
+# client's is $3), tags it, and only then takes the keys ($1, in order). One row: the server
+# pid, the mark found, and the grants as text, 't' or 'f' per key (NULL when a check failed:
+# nothing was taken). CASE fixes the order of evaluation; a CTE with a volatile function is
+# evaluated once. The unlock checks the same (an empty mark is allowed: pglock's savepoint in a
+# caller's transaction rolls the mark back) and returns whether every key was held, or NULL.
+# (shared, try) -> query; sent by pglock._conn.call, or with literals in a batch (with_literals).
+POOLED_LOCK = {
+    (shared, try_): (  # func is one of the fixed names above, never input
+        "WITH s AS (SELECT pg_catalog.pg_backend_pid()::int8 AS pid,"  # noqa: S608
+        " coalesce(pg_catalog.current_setting('pglock.client', true), '') AS mark),"
+        " c AS (SELECT pid, mark, CASE WHEN pid = $2 AND mark IN ('', $3::text)"
+        " THEN pg_catalog.set_config('pglock.client', $3::text, false) = $3::text"
+        " ELSE false END AS ok FROM s)"
+        " SELECT c.pid, c.mark, CASE WHEN c.ok THEN (SELECT pg_catalog.string_agg("
+        f"CASE WHEN pg_catalog.{func}(t.k){'' if try_ else ' IS NOT NULL'} THEN 't' ELSE 'f' END,"
+        " '' ORDER BY t.i) FROM unnest($1::bigint[]) WITH ORDINALITY AS t(k, i)) END FROM c"
+    ).encode()
+    for (xact, shared, try_), func in _LOCK_FUNCS.items()
+    if not xact
+}
+POOLED_UNLOCK = {
+    shared: (
+        "WITH c AS (SELECT pg_catalog.pg_backend_pid()::int8 AS pid,"  # noqa: S608
+        " coalesce(pg_catalog.current_setting('pglock.client', true), '') AS mark)"
+        " SELECT c.pid, c.mark, CASE WHEN c.pid = $2 AND c.mark IN ('', $3::text)"
+        f" THEN (SELECT pg_catalog.bool_and(pg_catalog.{func}(k)) FROM unnest($1::bigint[]) AS k)"
+        " END FROM c"
+    ).encode()
+    for shared, func in _UNLOCK_FUNCS.items()
+}
+
+
+def with_literals(query: bytes, params: Sequence[int | Sequence[int]]) -> sql.Composed:
+    """A fixed ``$n`` statement with bigint or bigint[] parameters as literals, for a batch."""
+    text = query.decode()
+    for n in range(len(params), 0, -1):  # $10 before $1
+        text = text.replace(f"${n}", f"{{{n - 1}}}")
+    return sql.SQL(text).format(
+        *(sql.Literal(p) if isinstance(p, int) else _keys_array(p) for p in params)
+    )
+
+
 def set_local_timeouts(timeout_ms: int, *, several: bool) -> sql.Composed:
     """Bound the next statement's lock waits, and for ``several`` keys the statement itself. The
     caller's ``statement_timeout`` is always replaced: for one key by 0, since until pglock

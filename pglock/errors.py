@@ -222,8 +222,10 @@ class UnsupportedServer(LockError):
     """The server cannot give the requested guarantee.
 
     Raised for a hot standby (its advisory locks coordinate nothing with the primary) and for a
-    transaction-mode pooler such as PgBouncer between pglock and Postgres (session locks
-    would land on whichever server connection runs the next transaction).
+    session lock through a connection pooler such as PgBouncer that session locks cannot work
+    through: one of unknown mode under ``pooler="auto"``, one declared
+    ``pooler="transaction"``, or one seen sharing the server session (session locks would land
+    on whichever server connection runs the next transaction; docs/pgbouncer.md).
     """
 
     def __init__(self, message: str) -> None:
