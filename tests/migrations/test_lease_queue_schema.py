@@ -39,7 +39,7 @@ def test_0004_upgrades_from_0003_and_downgrades_back(db: str) -> None:  # noqa: 
     _cycle(db)
     _lease.shutdown()
     alembic("-x", f"dsn={db}", "upgrade", "pglock_0004")
-    assert _queue_objects(db) == (True, 6)
+    assert _queue_objects(db) == (True, 7)  # 6 lease-queue functions and token_epoch_v4
     _cycle(db)
     alembic("-x", f"dsn={db}", "downgrade", "pglock_0003")
     assert _queue_objects(db) == (False, 0)
