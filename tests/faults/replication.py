@@ -105,8 +105,9 @@ class Replicated:
         )
 
     def wait_caught_up(self, timeout: float = 30) -> None:
-        """Until the standby has replayed everything the primary has written so far."""
-        target = self.query(self.primary, "SELECT pg_current_wal_lsn()::text")[0]
+        """Until the standby has replayed everything the primary has inserted into its WAL so
+        far (commits made with ``synchronous_commit = off`` too, once the WAL writer flushes)."""
+        target = self.query(self.primary, "SELECT pg_current_wal_insert_lsn()::text")[0]
         _until(
             lambda: self.query(
                 self._standby(), "SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (target,)
@@ -115,8 +116,8 @@ class Replicated:
         )
 
     def lag(self) -> int:
-        """Bytes of WAL the primary wrote that the standby has not replayed."""
-        written = self.query(self.primary, "SELECT pg_current_wal_lsn()::text")[0]
+        """Bytes of WAL the primary inserted that the standby has not replayed."""
+        written = self.query(self.primary, "SELECT pg_current_wal_insert_lsn()::text")[0]
         row = self.query(
             self._standby(), "SELECT pg_wal_lsn_diff(%s::pg_lsn, pg_last_wal_replay_lsn())",
             (written,),

@@ -412,3 +412,51 @@ def test_T29_semaphore_and_rwlock_invariants_across_promotion(
         pool.close()
         for c in conns:
             c.close()
+
+
+def test_T29_async_failover_loses_later_grants_and_their_holders_are_told(
+    replicated: Callable[..., Replicated], bounds: Bounds
+) -> None:
+    """What asynchronous replication can lose: a permit and a lease granted after the last
+    WAL the standby received. The new primary has no row for them: another client gets the
+    permit (the limit is exceeded in the clients' beliefs until the loser is told), and the
+    holders' keepalives find their grants gone and report LockLost."""
+    pair = replicated(sync=False)
+    install(pair)
+    dsn = pair.conninfo()
+    sem_a = pglock.semaphore(dsn, "t29:lost-sem", limit=1, ttl=TTL)
+    # Another client: its own DSN string (its own connections and wait queue).
+    sem_b = pglock.semaphore(pair.conninfo(application_name="t29-b"), "t29:lost-sem", limit=1,
+                             ttl=TTL)
+    with sem_a.hold(timeout=5):
+        pass  # the semaphore's row (its limit) reaches the standby
+    pair.wait_caught_up()
+    pair.cut()
+    lost_lease = pglock.lease(dsn, "t29:lost-lease", ttl=TTL, timeout=5)
+    assert lost_lease.acquire()
+    permit_cm = sem_a.hold(timeout=5)
+    permit = permit_cm.__enter__()
+    assert pair.lag() > 0
+    promoted = pair.failover()
+    try:
+        # The new primary never saw either grant.
+        assert lease_row(pair._standby(), "t29:lost-lease") is None
+        assert sem_b.acquire(timeout=5)  # a second permit-holder of a limit of 1
+        wait_for(lambda: not permit.locked, timeout=TTL * 2, what="the lost permit reported")
+        told = time.monotonic() - promoted
+        with pytest.raises(pglock.LockLost):
+            permit.check()
+        wait_for(lambda: lost_lease.lost, timeout=TTL * 2, what="the lost lease reported")
+        with pytest.raises(pglock.LockLost):
+            lost_lease.check()
+        bounds.record("T29", "async", "promotion -> holder of a lost permit told", told)
+        bounds.record("T29", "async", "promotion -> holder of a lost lease told",
+                      time.monotonic() - promoted)
+        sem_b.release()
+    finally:
+        with contextlib.suppress(pglock.LockLost):
+            permit_cm.__exit__(None, None, None)
+        with contextlib.suppress(pglock.LockLost, RuntimeError):
+            lost_lease.release()
+        sem_a.close()
+        sem_b.close()
