@@ -70,3 +70,10 @@ def install_lock_key(schema: str) -> int:
     (``pglock._keys.key``) of ``pglock:install:<schema>``."""
     digest = hashlib.sha256(f"pglock:install:{schema}".encode()).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def epoch_lock_key(schema: str) -> int:
+    """The advisory-lock key that serializes the fencing-token jump to a new timeline's floor
+    (revision 0004's ``token_epoch`` trigger): the lock-name key of ``pglock:epoch:<schema>``."""
+    digest = hashlib.sha256(f"pglock:epoch:{schema}".encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)

@@ -17,4 +17,8 @@ DROP FUNCTION IF EXISTS {s}.hand_over_v4(text, double precision);
 
 DROP TABLE IF EXISTS {s}.lease_waiter;
 
+DROP TRIGGER IF EXISTS token_epoch ON {s}.lease;
+
+DROP FUNCTION IF EXISTS {s}.token_epoch_v4();
+
 DELETE FROM {s}.schema_revision WHERE revision = {rev};

@@ -1,6 +1,7 @@
 -- pglock_0004 upgrade: the lease waiter queue (one row per waiter, first in first out) and the
 -- _v4 lease functions that hand a released or expired lease to the head of that queue in the
--- same transaction. The 0001 functions stay as they were (older clients call them).
+-- same transaction. The 0001 functions stay as they were (older clients call them); the
+-- token_epoch trigger puts every token, theirs too, above the WAL timeline's floor.
 -- Placeholders are filled by pglock/migrations/versions/0004_lease_queue.py; docs/leases.md
 -- ("Waiting: a queue in the database") and docs/how-it-works.md describe the design.
 
@@ -19,6 +20,50 @@ CREATE TABLE IF NOT EXISTS {s}.lease_waiter (
 );
 
 CREATE INDEX IF NOT EXISTS lease_waiter_name_id ON {s}.lease_waiter (name, id);
+
+-- Fencing tokens carry the server's WAL timeline in their high bits: every token granted on
+-- timeline T is at least T << 40. A promotion starts a new timeline, so a new primary's first
+-- grant jumps above every token the old one could have handed out, including grants an
+-- asynchronous standby never received (docs/production.md, "Failover"). Every grant writes
+-- token = nextval(lease_token) (here and in 0001's functions); this trigger raises a token
+-- below the floor. Under one advisory lock, the first grant below the floor moves the sequence
+-- to it; grants racing with it draw again under the lock, so no two get the same token. The
+-- guarantee holds while fewer than 2^40 tokens are granted on one timeline.
+CREATE OR REPLACE FUNCTION {s}.token_epoch_v4()
+RETURNS trigger
+LANGUAGE plpgsql VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, {s}, pg_temp
+AS $pglock$
+DECLARE
+    v_timeline bigint;
+    v_floor bigint;
+BEGIN
+    -- The insertion timeline: the first 8 hex digits of the current WAL segment's file name.
+    v_timeline := ('x' || lpad(substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8), 16, '0'))
+                  ::bit(64)::bigint;
+    IF v_timeline >= 4194304 THEN  -- 2^22: T << 40 must stay below 2^62
+        RAISE EXCEPTION USING ERRCODE = '22003', MESSAGE = format('pglock: WAL timeline %s '
+            'is too large for fencing tokens with a timeline epoch', v_timeline);
+    END IF;
+    v_floor := v_timeline << 40;
+    IF NEW.token < v_floor THEN
+        PERFORM pg_advisory_xact_lock({epoch_lock});
+        NEW.token := nextval({seq}::regclass);
+        IF NEW.token < v_floor THEN
+            PERFORM setval({seq}::regclass, v_floor);
+            NEW.token := nextval({seq}::regclass);
+        END IF;
+    END IF;
+    RETURN NEW;
+END
+$pglock$;
+
+DROP TRIGGER IF EXISTS token_epoch ON {s}.lease;
+
+CREATE TRIGGER token_epoch BEFORE UPDATE OF token ON {s}.lease
+    FOR EACH ROW WHEN (NEW.token IS DISTINCT FROM OLD.token AND NEW.token > 0)
+    EXECUTE FUNCTION {s}.token_epoch_v4();
 
 -- Internal: with the lease row of p_name locked by the caller's transaction (any holder, or a
 -- placeholder it just inserted), hand the lease to the first live waiter: a new token drawn
@@ -357,6 +402,8 @@ END
 $pglock$;
 
 REVOKE ALL ON TABLE {s}.lease_waiter FROM PUBLIC;
+
+REVOKE ALL ON FUNCTION {s}.token_epoch_v4() FROM PUBLIC;
 
 REVOKE ALL ON FUNCTION {s}.hand_over_v4(text, double precision) FROM PUBLIC;
 

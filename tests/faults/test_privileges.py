@@ -367,7 +367,8 @@ def test_T28_functions_are_security_definer_with_a_pinned_search_path(
         " FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
         " WHERE n.nspname = 'pglock' ORDER BY 1"
     ).fetchall()
-    assert len(rows) == 17, rows  # 7 lease functions, 4 semaphore, 6 of the lease queue (0004)
+    # 7 lease functions, 4 semaphore, 6 of the lease queue and the token_epoch trigger (0004)
+    assert len(rows) == 18, rows
     for proname, secdef, config, public_exec in rows:
         assert secdef, proname
         assert config == ["search_path=pg_catalog, pglock, pg_temp"], (proname, config)

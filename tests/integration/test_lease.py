@@ -1334,8 +1334,11 @@ def test_missing_schema_says_how_to_install_it(pg_dsn: str, app_name: str, name:
                 capture_output=True, text=True, timeout=60,
             )
             assert done.returncode == 0, done.stderr
+            with psycopg.connect(dsn) as c:  # tokens start at the WAL timeline's floor (0004)
+                row = c.execute("SELECT pg_walfile_name(pg_current_wal_lsn())").fetchone()
+            assert row is not None
             with pglock.lease(dsn, name, timeout=0) as lease:
-                assert lease.token == 1
+                assert lease.token == (int(row[0][:8], 16) << 40) + 1
         finally:
             _lease.shutdown()
 

@@ -1,5 +1,6 @@
 """Leases: the waiter queue (``lease_waiter``) and the ``_v4`` functions that hand a lease to
-the queue's head in the releasing transaction.
+the queue's head in the releasing transaction; fencing tokens above the WAL timeline's floor
+(the ``token_epoch`` trigger), so that no failover makes them go back.
 
 SQL: ``pglock/sql/0004_lease_queue.up.sql`` and ``.down.sql`` (docs/reference/sql.md).
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from psycopg import sql
 
-from pglock._contract import MAX_TTL, install_lock_key, lease_channel
+from pglock._contract import MAX_TTL, epoch_lock_key, install_lock_key, lease_channel
 from pglock.migrations import revision_functions
 
 revision = "pglock_0004"
@@ -29,6 +30,7 @@ def _names(schema: str) -> dict[str, sql.Composable]:
         "channel": sql.Literal(lease_channel(schema)),
         "rev": sql.Literal(revision),
         "lock": sql.Literal(install_lock_key(schema)),
+        "epoch_lock": sql.Literal(epoch_lock_key(schema)),
         "max_ttl": sql.Literal(MAX_TTL),
         "window": sql.Literal(HANDOFF_WINDOW),
     }
