@@ -19,11 +19,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -40,10 +38,6 @@ from .replication import Replicated
 
 #: Leases and permits live this long without renewal: longer than a failover here (< 1 s).
 TTL = 6.0
-
-_SQL_0004 = Path(pglock.__file__).parent / "sql" / "0004_lease_queue.up.sql"
-#: The lead's fix (issue 14): revision 0004's next_token() puts the timeline in the high bits.
-EPOCH_TOKENS = re.search(r"FUNCTION\s+\S*next_token\s*\(", _SQL_0004.read_text()) is not None
 
 
 @pytest.fixture
@@ -287,13 +281,7 @@ LOST_GRANTS = 40
 @pytest.mark.parametrize(
     "revision",
     [
-        pytest.param(
-            None, id="head",
-            marks=pytest.mark.xfail(
-                not EPOCH_TOKENS, strict=True,
-                reason="issue 14: tokens carry no timeline yet (revision 0004's next_token())",
-            ),
-        ),
+        pytest.param(None, id="head"),
         pytest.param("pglock_0003", id="control-0003"),
     ],
 )
