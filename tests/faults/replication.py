@@ -24,7 +24,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import make_conninfo
 
-from .cluster import Cluster, ClusterUnavailable
+from .cluster import Cluster, ClusterUnavailable, find_bindir
 
 #: Settings of both servers (the standby must be able to become a primary).
 REPLICATION_SETTINGS: dict[str, object] = {
@@ -47,13 +47,14 @@ class Replicated:
     def __init__(self, *, sync: bool, settings: Mapping[str, object] | None = None) -> None:
         self.sync = sync
         base = {**REPLICATION_SETTINGS, **(settings or {})}
+        bindir = find_bindir()
+        if not (bindir / "pg_basebackup").exists():
+            raise ClusterUnavailable(f"no pg_basebackup in {bindir}")
+        self.standby: Cluster | None = None
         self.primary = Cluster(
             {**base, "synchronous_standby_names": "*" if sync else ""}, prefix="pglock-primary-"
         )
-        self.standby: Cluster | None = None
         try:
-            if not (self.primary.bindir / "pg_basebackup").exists():
-                raise ClusterUnavailable(f"no pg_basebackup in {self.primary.bindir}")
             _trust_replication(self.primary)
             self.primary.start()
             # A promoted standby has no standby of its own: it must not wait for one.
