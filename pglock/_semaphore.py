@@ -3,7 +3,6 @@ every process, a row per permit), its :class:`Permit` and the factory :func:`sem
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
@@ -16,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, TypedDict
 
 import psycopg
+from psycopg import errors as pg_errors
 from psycopg import sql
 
 from . import _base, _conn, _sql, _ttl, _waiting
@@ -66,13 +66,27 @@ def _count_arg(value: object, what: str) -> int:
     return value
 
 
+class _Request:
+    """One acquisition (issue 14): the holder id that every attempt of it, and every resend of
+    an attempt, sends, so that an attempt which committed unseen (its answer lost) is found by
+    the next one instead of a second permit being taken; ``unsure`` once an attempt's outcome
+    is unknown (its row may exist), so that giving up releases that holder id."""
+
+    __slots__ = ("holder", "unsure")
+
+    def __init__(self, holder: str) -> None:
+        self.holder = holder
+        self.unsure = False
+
+
 def _run(
     source: Source, kind: str, schema: str, stmt: sql.Composed, deadline: float | None,
     timeout: float | None = None,
 ) -> tuple[list[tuple[Any, ...]], bool]:
     """Send one semaphore batch (:func:`_ttl.run`): its rows, and whether it was sent twice.
-    Safe: extend, info and release are idempotent; an acquire sent twice fails on its own
-    holder id's primary key (a committed first attempt expires at its TTL)."""
+    Safe: extend, info and release are idempotent; an acquire sent twice after its first
+    committed fails on its own holder id's primary key (unique_violation, the whole batch
+    rolled back), and :meth:`Semaphore._try` adopts that first grant."""
     try:
         return _ttl.run(SEMAPHORES, source, kind, schema, stmt, timeout=timeout, deadline=deadline)
     except psycopg.Error as exc:
@@ -388,75 +402,142 @@ class Semaphore(_base.BaseLock):
         return _Hold(self, _count_arg(permits, "permits"), validate_timeout(timeout))
 
     def _take(self, permits: int, timeout: float | None) -> Permit | None:
-        """One acquisition of ``permits``: the permit, or None (not in time, or closed)."""
+        """One acquisition of ``permits``: the permit, or None (not in time, or closed). Its
+        attempts share one holder id (:class:`_Request`); when it ends without a permit after
+        an attempt whose outcome is unknown, that holder id is released (:meth:`_abandon`)."""
         if permits > self._limit:
             raise ValueError(
                 f"permits={permits} can never be granted by semaphore {self._name!r} "
                 f"with limit {self._limit}"
             )
         source = self._src()
+        req = _Request(f"{self._owner}:{uuid.uuid4().hex}")
+        try:
+            permit = self._attempts(source, req, permits, timeout)
+        except BaseException:
+            self._abandon(source, req)
+            raise
+        if permit is None:
+            self._abandon(source, req)
+        return permit
+
+    def _attempts(
+        self, source: Source, req: _Request, permits: int, timeout: float | None
+    ) -> Permit | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         if timeout == 0:  # tries once, whoever else of this object waits
-            once: Permit | None = self._try(source, permits, deadline, wait=False)[0]
+            once: Permit | None = self._try(source, req, permits, deadline, wait=False)[0]
             return once
         waits = self._waiters()
         gen = waits.enter()
         try:
             permit: Permit | None = _ttl.wait(
                 SEMAPHORES, source, self._schema, self._name, self, deadline,
-                lambda _left: self._try(source, permits, deadline, wait=True),
+                lambda _left: self._try(source, req, permits, deadline, wait=True),
                 closed=lambda: waits.closed(gen),
             )
         finally:
             waits.leave()
         if permit is not None and waits.closed(gen):
-            with contextlib.suppress(Exception):  # a grant nobody waits for (ends at its TTL)
+            try:  # a grant nobody waits for
                 permit.release()
+            except Exception:
+                req.unsure = True  # released by _abandon, or it ends at its TTL
             return None
         return permit
 
-    def _try(self, source: Source, permits: int, deadline: float | None, *, wait: bool) -> Attempt:
-        """One acquire statement, cut off at ``deadline`` (or ``WAIT_CHUNK``) plus grace: the
-        waiter's attempt (see :func:`_ttl.wait`)."""
-        holder = f"{self._owner}:{uuid.uuid4().hex}"
+    def _try(
+        self, source: Source, req: _Request, permits: int, deadline: float | None, *, wait: bool
+    ) -> Attempt:
+        """One acquire statement for ``req``, cut off at ``deadline`` (or ``WAIT_CHUNK``) plus
+        grace: the waiter's attempt (see :func:`_ttl.wait`). Finding ``req``'s own row (an
+        earlier attempt, or the first send of this one, committed unseen) adopts it."""
         stmt = _sql.semaphore_acquire(
-            self._schema, self._name, self._limit, holder, permits, self._ttl, self._metadata, wait
+            self._schema, self._name, self._limit, req.holder, permits, self._ttl,
+            self._metadata, wait,
         )
         sent = time.monotonic()
         cut_off = (sent + WAIT_CHUNK if deadline is None else deadline) + ANSWER_GRACE
         try:
-            rows = _run(source, "acquire", self._schema, stmt, cut_off)[0]
+            rows, again = _run(source, "acquire", self._schema, stmt, cut_off)
         except NoAnswer as exc:
+            req.unsure = True
             logger.warning(
                 "acquiring semaphore %r got no answer in time (a permit it may have been "
-                "granted expires at its TTL): %s", self._name, exc,
+                "granted is looked for by the next attempt, or released if it gives up): %s",
+                self._name, exc,
             )
             return None, False, time.monotonic() + self._rng.uniform(0.005, 0.02)
+        except pg_errors.UniqueViolation:
+            # The (semaphore, holder) key: this request's row is there, so an attempt whose
+            # answer was lost committed; the failed batch rolled back with no other effect.
+            return self._adopt(source, req, permits)
         except psycopg.Error as exc:
             if exc.sqlstate == LIMIT_MISMATCH:
                 raise LimitMismatch(
                     self._name, limit=self._limit, stored_limit=self._stored_limit(source)
                 ) from exc
+            req.unsure = True  # a resend's error, or a lost connection: the first may have run
+            raise
+        except BaseException:
+            req.unsure = True  # interrupted, or translated: the statement may have run
             raise
         received = time.monotonic()
         granted, _max, held, retry_in = rows[0]  # a semaphore_acquire row
         if not granted:
+            # A first send that committed unseen counts against this one (it may even be what
+            # does not fit): look for this request's row before waiting.
+            if again or req.unsure:
+                req.unsure = True
+                adopted = self._adopt(source, req, permits)
+                if adopted[0] is not None:
+                    return adopted
             logger.debug("semaphore %r: %d of %d held, %d more do not fit", self._name, held,
                          self._limit, permits)
-            again = None if retry_in is None else received + float(retry_in) + _EXPIRY_MARGIN
-            return None, True, again
+            again_at = None if retry_in is None else received + float(retry_in) + _EXPIRY_MARGIN
+            return None, True, again_at
         if received >= sent + self._ttl:
-            self._give_back(source, holder, received - sent)
+            self._give_back(source, req, received - sent)
             return None, False, time.monotonic() + self._rng.uniform(0.005, 0.02)
+        logger.debug("acquired %d permit(s) of semaphore %r (%d of %d held)", permits,
+                     self._name, held, self._limit)
+        return self._hold_permit(source, req.holder, permits, sent), False, None
+
+    def _hold_permit(self, source: Source, holder: str, permits: int, sent: float) -> Permit:
         permit = Permit(self, source, holder, permits, sent)
         with self._lock:
             self._held[holder] = permit
         _ttl.register(permit)
-        logger.debug("acquired %d permit(s) of semaphore %r (%d of %d held)", permits,
-                     self._name, held, self._limit)
-        return permit, False, None
+        return permit
 
-    def _give_back(self, source: Source, holder: str, took: float) -> None:
+    def _adopt(self, source: Source, req: _Request, permits: int) -> Attempt:
+        """Take over ``req``'s row that an attempt committed unseen: renew it for the TTL
+        (``semaphore_extend``, which also says whether it is live) and hold it from the
+        renewal's send time. Not found live, or no answer in time: nothing held (yet)."""
+        stmt = _sql.semaphore_extend(self._schema, [(self._name, [req.holder], self._ttl)])
+        sent = time.monotonic()
+        try:
+            rows = _run(source, "extend", self._schema, stmt, sent + self._ttl)[0]
+        except Exception as exc:
+            rows = None
+            logger.info("semaphore %r: renewing a grant an earlier attempt may have made "
+                        "failed: %r", self._name, exc)
+        retry = time.monotonic() + self._rng.uniform(0.005, 0.02)
+        if rows is None:
+            req.unsure = True
+            return None, False, retry
+        if not any(r[0] == req.holder for r in rows):
+            return None, False, retry
+        if time.monotonic() >= sent + self._ttl:
+            req.unsure = True
+            return None, False, retry
+        logger.info(
+            "semaphore %r: an attempt whose answer was lost had been granted %d permit(s); "
+            "they are held (holder %s)", self._name, permits, req.holder,
+        )
+        return self._hold_permit(source, req.holder, permits, sent), False, None
+
+    def _give_back(self, source: Source, req: _Request, took: float) -> None:
         """A grant whose answer came after its client deadline (send time + ttl): never
         believed; released now (best effort) so that it does not count until its TTL."""
         logger.info(
@@ -464,13 +545,41 @@ class Semaphore(_base.BaseLock):
             "%g s, and is given back", self._name, took, self._ttl,
         )
         try:
-            stmt = _sql.semaphore_release(self._schema, self._name, holder)
+            stmt = _sql.semaphore_release(self._schema, self._name, req.holder)
             _run(source, "release", self._schema, stmt, short_deadline(self._ttl))
         except Exception as exc:
+            req.unsure = True  # the next attempt adopts it, or giving up releases it
             logger.info(
-                "giving back the late grant of semaphore %r failed (it expires at its TTL): %r",
-                self._name, exc,
+                "giving back the late grant of semaphore %r failed: %r", self._name, exc,
             )
+
+    def _abandon(self, source: Source, req: _Request) -> None:
+        """An acquisition that ends without a permit after an attempt of unknown outcome:
+        release its holder id (best effort, within ``ANSWER_GRACE``) so that no permit stays
+        held by nobody until its TTL. An attempt still running on the server after the client
+        gave up on it can commit after this; then it ends at its TTL."""
+        if not req.unsure:
+            return
+        stmt = _sql.semaphore_release(self._schema, self._name, req.holder)
+        try:
+            rows = _run(source, "release", self._schema, stmt, time.monotonic() + ANSWER_GRACE)[0]
+        except Exception as exc:
+            logger.info(
+                "semaphore %r: releasing holder %s after a failed acquire failed (a permit an "
+                "attempt may have been granted ends at its TTL): %r",
+                self._name, req.holder, exc,
+            )
+            return
+        status = rows[0][0] if rows else "not_held"
+        if status == "not_held":
+            logger.debug("semaphore %r: the failed acquire (holder %s) had been granted nothing",
+                         self._name, req.holder)
+        else:
+            logger.info(
+                "semaphore %r: a permit granted to a failed acquire whose answer was lost was "
+                "released (holder %s, %s)", self._name, req.holder, status,
+            )
+            self._poke()
 
     def _stored_limit(self, source: Source) -> int | None:
         try:

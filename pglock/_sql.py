@@ -387,11 +387,15 @@ LEADER_SESSION = (
 
 def new_term(server_version: int) -> sql.Composed:
     """A number larger than every term handed out before: the 64-bit id (increasing, never
-    wrapping) of a transaction begun after the lock was won, committed durably."""
+    wrapping) of a transaction begun after the lock was won, committed durably, plus the WAL
+    timeline << 44. An asynchronous failover can lose the last transaction ids and hand them out
+    again; the promotion's new timeline puts every later term above them (docs/leader.md)."""
     xid = "pg_current_xact_id()::text::bigint" if server_version >= 130000 else "txid_current()"
-    return sql.SQL("BEGIN; SET LOCAL synchronous_commit = on; SELECT pg_catalog.{}; COMMIT").format(
-        sql.SQL(xid)
-    )
+    return sql.SQL(
+        "BEGIN; SET LOCAL synchronous_commit = on; SELECT (('x' || lpad(substr("
+        "pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 1, 8), 16, '0'))"
+        "::bit(64)::bigint << 44) + pg_catalog.{}; COMMIT"
+    ).format(sql.SQL(xid))
 
 
 def fence_wait(fence_key: int) -> sql.Composed:

@@ -13,10 +13,12 @@ Modes (:meth:`Proxy.set_mode`, applied to every current and future connection):
     drops its connections' packets in the kernel, which is what a cut cable looks like
     (see :mod:`.netfilter`).
 ``drop_responses``
-    forward client -> server, discard server -> client: requests run, their answers are lost.
+    forward client -> server, discard server -> client: requests run, their answers are lost
+    (:attr:`Proxy.dropped` counts the chunks discarded).
 ``reset_on_response``
     forward client -> server; when the server answers, reset both sides (RST) instead of
     forwarding: the ambiguous acquire, where the request ran but the client never learns how.
+    ``set_mode("reset_on_response", times=n)``: only the next ``n`` answers, then ``pass``.
 
 :meth:`Proxy.reset_all` resets every current connection at once (both sides get an RST).
 """
@@ -71,9 +73,10 @@ class _Pipe:
                     if mode == "blackhole":
                         continue
                     if not to_server and mode == "drop_responses":
+                        self.proxy.dropped += 1
                         continue
                     if not to_server and mode == "reset_on_response":
-                        self.proxy.resets += 1
+                        self.proxy._count_reset()
                         self.close(reset=True)
                         return
                     dst = self.server if to_server else self.client
@@ -135,6 +138,8 @@ class Proxy:
         self.mode = "pass"
         self.closed = False
         self.resets = 0
+        self.dropped = 0
+        self._resets_left: int | None = None
         self.pipes: list[_Pipe] = []
         self._lock = threading.Lock()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -182,10 +187,15 @@ class Proxy:
         server.settimeout(None)
         return server
 
-    def set_mode(self, mode: str) -> None:
+    def set_mode(self, mode: str, *, times: int | None = None) -> None:
+        """Apply ``mode``; with ``times`` (``reset_on_response`` only), for that many resets."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.mode = mode
+        if times is not None and (mode != "reset_on_response" or times < 1):
+            raise ValueError("times is a positive count of reset_on_response answers")
+        with self._lock:
+            self._resets_left = times
+            self.mode = mode
         with self._lock:
             pipes = [p for p in self.pipes if not p.closed]
         for p in pipes:
@@ -193,6 +203,15 @@ class Proxy:
                 p.apply_kernel_blackhole()
             elif mode != "blackhole":
                 p.heal()
+
+    def _count_reset(self) -> None:
+        with self._lock:
+            self.resets += 1
+            if self._resets_left is not None:
+                self._resets_left -= 1
+                if self._resets_left == 0:
+                    self._resets_left = None
+                    self.mode = "pass"
 
     def reset_all(self) -> None:
         """Reset every current connection (RST to both the client and the server)."""
