@@ -107,8 +107,16 @@ class Replicated:
 
     def wait_caught_up(self, timeout: float = 30) -> None:
         """Until the standby has replayed everything the primary has inserted into its WAL so
-        far (commits made with ``synchronous_commit = off`` too, once the WAL writer flushes)."""
-        target = self.query(self.primary, "SELECT pg_current_wal_insert_lsn()::text")[0]
+        far, commits made with ``synchronous_commit = off`` included."""
+        with psycopg.connect(self.primary.dsn(), autocommit=True, connect_timeout=5) as c:
+            row = c.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
+            assert row is not None
+            target = row[0]
+            # A durable commit flushes the WAL before it (the WAL writer may leave a record
+            # that no commit follows unflushed, and unsent, for seconds).
+            with c.transaction():
+                c.execute("SET LOCAL synchronous_commit = local")
+                c.execute("SELECT pg_current_xact_id()")
         _until(
             lambda: self.query(
                 self._standby(), "SELECT pg_last_wal_replay_lsn() >= %s::pg_lsn", (target,)
@@ -117,8 +125,8 @@ class Replicated:
         )
 
     def lag(self) -> int:
-        """Bytes of WAL the primary inserted that the standby has not replayed."""
-        written = self.query(self.primary, "SELECT pg_current_wal_insert_lsn()::text")[0]
+        """Bytes of WAL the primary has written that the standby has not replayed."""
+        written = self.query(self.primary, "SELECT pg_current_wal_lsn()::text")[0]
         row = self.query(
             self._standby(), "SELECT pg_wal_lsn_diff(%s::pg_lsn, pg_last_wal_replay_lsn())",
             (written,),

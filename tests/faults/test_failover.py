@@ -250,11 +250,6 @@ def test_T29_advisory_holders_learn_of_the_loss_and_a_leader_is_elected_on_the_n
                 c.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 14: a leader's term is a transaction id (_sql.new_term), which an "
-    "asynchronous failover can hand out again; it needs the timeline in its high bits",
-)
 def test_T29_leader_terms_rise_after_an_async_failover_that_loses_a_term(
     replicated: Callable[..., Replicated],
 ) -> None:
