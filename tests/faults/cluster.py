@@ -66,10 +66,13 @@ class Cluster:
 
     :param settings: server settings written to ``postgresql.conf``
         (for example ``{"max_locks_per_transaction": "10"}``).
+    :param init: False leaves :attr:`data` empty for the caller to fill (``pg_basebackup``),
+        then :meth:`write_conf`.
     """
 
     def __init__(
-        self, settings: Mapping[str, object] | None = None, *, prefix: str = "pglock-faults-"
+        self, settings: Mapping[str, object] | None = None, *, prefix: str = "pglock-faults-",
+        init: bool = True,
     ):
         self.bindir = find_bindir()
         self.user: str | None = None
@@ -102,7 +105,8 @@ class Cluster:
         for k, v in (settings or {}).items():
             self.settings[k] = _conf_value(v)
         self._started = False
-        self._initdb()
+        if init:
+            self._initdb()
 
     # -- commands ------------------------------------------------------------------------
 
