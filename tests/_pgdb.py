@@ -89,6 +89,21 @@ def install_schema(dsn: str, schema: str = "pglock") -> None:
 
 
 @contextlib.contextmanager
+def own_schema(pg_dsn: str, *, prefix: str) -> Iterator[str]:
+    """Install the pglock schema under a new name in ``pg_dsn``'s database, yield the name, drop
+    it afterwards: a module's own schema (other modules install and drop the default one)."""
+    from pglock import _schema
+
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
+    _schema.install(pg_dsn, schema=name)
+    try:
+        yield name
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as c:
+            c.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
+
+
+@contextlib.contextmanager
 def throwaway_database(
     pg_dsn: str,
     *,

@@ -21,12 +21,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from _pgdb import own_schema
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pglock
 from pglock import _sql
-from pglock._schema import install
 
 from .conftest import Bounds
 from .proxy import Proxy
@@ -35,13 +35,8 @@ from .proxy import Proxy
 @pytest.fixture(scope="module")
 def schema(pg_dsn: str) -> Iterator[str]:
     """A pglock schema of this module's own (other modules install and drop the default)."""
-    name = f"t14sem_{uuid.uuid4().hex[:8]}"
-    install(pg_dsn, schema=name)
-    try:
+    with own_schema(pg_dsn, prefix="t14sem") as name:
         yield name
-    finally:
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            c.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
 
 
 @pytest.fixture

@@ -13,23 +13,18 @@ from typing import Any
 
 import psycopg
 import pytest
+from _pgdb import own_schema
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 import pglock
 from pglock import _semaphore, _sql
-from pglock._schema import install
 
 
 @pytest.fixture(scope="module")
 def schema(pg_dsn: str) -> Iterator[str]:
-    name = f"t14req_{uuid.uuid4().hex[:8]}"
-    install(pg_dsn, schema=name)
-    try:
+    with own_schema(pg_dsn, prefix="t14req") as name:
         yield name
-    finally:
-        with psycopg.connect(pg_dsn, autocommit=True) as c:
-            c.execute(sql.SQL("DROP SCHEMA {} CASCADE").format(sql.Identifier(name)))
 
 
 @pytest.fixture
