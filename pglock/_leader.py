@@ -135,7 +135,7 @@ class LeaderElection:
     def __init__(
         self, source: object, name: str, *, on_elected: Callable[[], object] | None = None,
         on_lost: Callable[[], object] | None = None, check_interval: float = 1.0,
-        takeover_delay: float | None = None, network_timeout: float = 5.0,
+        takeover_delay: float | None = None, network_timeout: float = 5.0, pooler: str = "auto",
     ) -> None:
         self._name = validate_name(name)
         self._key = key(name)
@@ -150,6 +150,7 @@ class LeaderElection:
         if takeover_delay is not None:
             self._delay = _seconds(takeover_delay, "takeover_delay", minimum=0.0, allow_zero=True)
         self._network_timeout = _seconds(network_timeout, "network_timeout", minimum=1.0)
+        self._pooler = _conn.validate_pooler(pooler)
 
         self._cond = threading.Condition(threading.Lock())
         self._leader = False
@@ -386,7 +387,7 @@ class LeaderElection:
     def _campaign_and_lead(self) -> None:
         conn = self._conn
         assert conn is not None
-        lock = _advisory.PgLock(conn, self._name)
+        lock = _advisory.PgLock(conn, self._name, pooler=self._pooler)
         if not lock.acquire(timeout=self._interval):
             return  # not granted within one interval: a round trip proved the session alive
         won = time.monotonic()
@@ -509,6 +510,7 @@ class LeaderOptions(TypedDict, total=False):
     check_interval: float
     takeover_delay: float | None
     network_timeout: float
+    pooler: str
 
 
 def leader(source: object, name: str, **options: Unpack[LeaderOptions]) -> LeaderElection:
@@ -524,7 +526,9 @@ def leader(source: object, name: str, **options: Unpack[LeaderOptions]) -> Leade
         * ``takeover_delay`` (default: the validity window): seconds a new leader waits after
           winning before it acts;
         * ``network_timeout`` (default 5): seconds of silence after which the connection
-          counts as dead (TCP keepalives and ``tcp_user_timeout``, on both sides).
+          counts as dead (TCP keepalives and ``tcp_user_timeout``, on both sides);
+        * ``pooler`` (default ``"auto"``): what sits between ``source`` and Postgres, as for
+          :func:`pglock.pg_lock` (docs/pgbouncer.md).
     :raises TypeError, ValueError: bad arguments, before any I/O.
 
     Example::

@@ -61,7 +61,8 @@ class Locker:
         it follows the rules for names and must not contain ``':'``.
     :param schema: the schema of the lease table and functions (leases only).
     :param timeout: the default ``timeout`` of :meth:`lock`, :meth:`lease` and :meth:`rwlock`.
-    :param pooler: the default ``pooler`` of :meth:`lock` (see :func:`pglock.pool_lock`):
+    :param pooler: the default ``pooler`` of :meth:`lock`, :meth:`rwlock`, :meth:`singleton`
+        and :meth:`leader` (see :func:`pglock.pool_lock`):
         ``"auto"``, ``"session"``, ``"transaction"`` or ``"none"`` (docs/pgbouncer.md).
     :param pool_kwargs: extra keyword arguments for the ``ConnectionPool`` a DSN Locker creates
         (defaults: ``min_size=1``, ``max_size=10``); refused for a pool or engine source.
@@ -228,6 +229,7 @@ class Locker:
                 conn.execute("SELECT * FROM settings")
         """
         options.setdefault("timeout", self._timeout)
+        options.setdefault("pooler", self._pooler)
         return RWLock(self._deferred, self.full_name(name), **options)
 
     def singleton(self, name: str, **options: Unpack[SingletonOptions]) -> Singleton:
@@ -241,6 +243,7 @@ class Locker:
             @locker.singleton("cron:daily-cleanup")
             def daily_cleanup() -> None: ...
         """
+        options.setdefault("pooler", self._pooler)
         return Singleton(self._deferred, self.full_name(name), **options)
 
     def leader(self, name: str, **options: Unpack[LeaderOptions]) -> LeaderElection:
@@ -255,6 +258,7 @@ class Locker:
                 election.wait_elected()
         """
         source = self._dsn if self._dsn is not None else self._external
+        options.setdefault("pooler", self._pooler)
         return LeaderElection(source, self.full_name(name), **options)
 
     def semaphore(self, name: str, limit: int, **options: Unpack[SemaphoreOptions]) -> Semaphore:

@@ -10,6 +10,7 @@ from . import _pool
 from ._advisory import PgLock
 from ._base import BaseLock, Waiters
 from ._classify import HELD, Deferred, Kind, classify
+from ._conn import validate_pooler
 from ._keys import DEFAULT as _DEFAULT
 from ._keys import key, validate_name, validate_timeout
 from ._pool import PoolLock
@@ -42,6 +43,7 @@ class RWLockOptions(TypedDict, total=False):
     """The options of :func:`rwlock` and ``Locker.rwlock`` (one definition for both)."""
 
     timeout: float | None
+    pooler: str
 
 
 class RWHold(BaseLock):
@@ -60,7 +62,8 @@ class RWHold(BaseLock):
         # Through a pool the PoolLock is made now (no I/O); on a connection at the first
         # acquire (a SQLAlchemy Session gives its connection only then).
         self._inner: PgLock | PoolLock | None = (
-            PoolLock(rw._source, rw.name, shared=shared) if rw._kind == "pool" else None
+            PoolLock(rw._source, rw.name, shared=shared, pooler=rw._pooler)
+            if rw._kind == "pool" else None
         )
 
     @property
@@ -82,7 +85,9 @@ class RWHold(BaseLock):
 
     def _acquire(self, timeout: float | None) -> bool:
         if self._inner is None:
-            self._inner = PgLock(self._rw._source, self._rw.name, shared=self._shared)
+            self._inner = PgLock(
+                self._rw._source, self._rw.name, shared=self._shared, pooler=self._rw._pooler
+            )
         return self._inner.acquire(timeout=timeout)
 
     def release(self) -> None:
@@ -135,11 +140,14 @@ class RWLock:
     returns a lock object for one thread.
     """
 
-    def __init__(self, source: object, name: str, *, timeout: float | None = None) -> None:
+    def __init__(
+        self, source: object, name: str, *, timeout: float | None = None, pooler: str = "auto"
+    ) -> None:
         self._name = validate_name(name)
         self._kind = _classify(source)
         self._source = source
         self._timeout = validate_timeout(timeout)
+        self._pooler = validate_pooler(pooler)
 
     @property
     def name(self) -> str:
@@ -184,8 +192,10 @@ def rwlock(source: object, name: str, **options: Unpack[RWLockOptions]) -> RWLoc
         lives on it), or a ``psycopg_pool.ConnectionPool`` / SQLAlchemy ``Engine`` (each hold
         checks a connection out, as :func:`pglock.pool_lock` does).
     :param options: keyword-only, the same for ``Locker.rwlock`` (``RWLockOptions``):
-        ``timeout`` (default None), the default of ``read()`` and ``write()``.
-    :raises TypeError, ValueError: a bad source, name or timeout, before any SQL.
+        ``timeout`` (default None), the default of ``read()`` and ``write()``; ``pooler``
+        (default ``"auto"``), what sits between ``source`` and Postgres, as for
+        :func:`pglock.pg_lock` (docs/pgbouncer.md).
+    :raises TypeError, ValueError: a bad source, name, timeout or pooler, before any SQL.
 
     Example::
 

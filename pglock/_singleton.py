@@ -32,6 +32,7 @@ class SingletonOptions(TypedDict, total=False):
     """The options of :func:`singleton` and ``Locker.singleton`` (one definition for both)."""
 
     timeout: float | None
+    pooler: str
 
 
 class Singleton(BaseLock):
@@ -47,8 +48,10 @@ class Singleton(BaseLock):
     each other too). ``acquire()`` / ``release()`` are one acquisition at a time, by one thread.
     """
 
-    def __init__(self, source: object, name: str, *, timeout: float | None = 0) -> None:
-        self._rw = RWLock(source, name)
+    def __init__(
+        self, source: object, name: str, *, timeout: float | None = 0, pooler: str = "auto"
+    ) -> None:
+        self._rw = RWLock(source, name, pooler=pooler)
         self._timeout = validate_timeout(timeout)
         self._own = self._rw.write(self._timeout)  # acquire(), release() and with
         self._mutex = threading.Lock()
@@ -146,7 +149,8 @@ def singleton(source: object, name: str, **options: Unpack[SingletonOptions]) ->
     :param name: the lock name, e.g. ``"cron:daily-cleanup"``.
     :param options: keyword-only, the same for ``Locker.singleton`` (``SingletonOptions``):
         ``timeout`` (default 0) skips at once when another process runs the job; ``> 0``
-        waits that long for it first; ``None`` waits until it is free.
+        waits that long for it first; ``None`` waits until it is free; ``pooler`` (default
+        ``"auto"``), what sits between ``source`` and Postgres, as for :func:`pglock.pg_lock`.
     :raises TypeError, ValueError: bad arguments, before any SQL.
 
     Example::

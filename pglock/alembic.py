@@ -16,6 +16,7 @@ from psycopg.conninfo import make_conninfo
 
 from ._advisory import PgLock
 from ._classify import Kind, classify
+from ._conn import validate_pooler
 from ._deadline import connect_extra
 from ._keys import validate_name, validate_timeout
 from .errors import LockNotAcquired
@@ -30,7 +31,8 @@ _MAX_POLL = 1.0
 
 
 def migration_lock(
-    connection_or_url: object, name: str = "alembic-migrations", *, timeout: float | None = None
+    connection_or_url: object, name: str = "alembic-migrations", *, timeout: float | None = None,
+    pooler: str = "auto",
 ) -> contextlib.AbstractContextManager[None]:
     """Hold a session advisory lock on a dedicated connection while migrations run.
 
@@ -50,15 +52,19 @@ def migration_lock(
         ``Connection`` or ``URL``, or a URL / libpq connection string (docs/alembic.md).
     :param name: the lock name; every process migrating the same database must use the same.
     :param timeout: seconds to wait for the lock; ``None`` waits until it is free.
+    :param pooler: what sits between the connection and Postgres, as for
+        :func:`pglock.pg_lock` (docs/pgbouncer.md); default ``"auto"``.
     :raises pglock.LockNotAcquired: not acquired within ``timeout``.
-    :raises pglock.UnsupportedServer: a hot standby, or a transaction-mode pooler in between.
+    :raises pglock.UnsupportedServer: a hot standby, or a pooler session locks cannot work
+        through (docs/pgbouncer.md).
     :raises pglock.LockLost: at the exit, when the dedicated connection was lost meanwhile.
-    :raises TypeError: an unsupported ``connection_or_url``; ``ValueError``: a bad name or
-        timeout (both before connecting).
+    :raises TypeError: an unsupported ``connection_or_url``; ``ValueError``: a bad name,
+        timeout or ``pooler`` (both before connecting).
     """
     validate_name(name)
     t = validate_timeout(timeout)
-    return _hold(_opener(connection_or_url), name, t)
+    mode = validate_pooler(pooler)
+    return _hold(_opener(connection_or_url), name, t, mode)
 
 
 # An opener returns (connection for pglock, close(discard: bool)).
@@ -124,11 +130,11 @@ def _engine_opener(engine: Any) -> _Opener:
 
 
 @contextlib.contextmanager
-def _hold(opener: _Opener, name: str, timeout: float | None) -> Iterator[None]:
+def _hold(opener: _Opener, name: str, timeout: float | None, pooler: str) -> Iterator[None]:
     conn, close = opener()
     discard = True
     try:
-        lock = PgLock(conn, name)
+        lock = PgLock(conn, name, pooler=pooler)
         _wait(lock, name, timeout)
         discard = False
         try:

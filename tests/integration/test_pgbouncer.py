@@ -42,6 +42,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import pglock
 from pglock import _conn
+from pglock.alembic import migration_lock
 
 Connect = Callable[..., psycopg.Connection[Any]]
 
@@ -804,3 +805,73 @@ def test_xact_lock_and_lease_through_every_pooling_mode(
         locker = pglock.Locker(pool)
         with locker.lease(name, ttl=10, timeout=5) as again:
             assert again.token > first
+
+
+# --- the other session-lock APIs take pooler= too ----------------------------------------------
+
+
+def test_session_pooling_rwlock_and_singleton_with_the_override(
+    session_bouncer: Bouncer, app_name: str, other: psycopg.Connection[Any], name: str
+) -> None:
+    with _connections(session_bouncer, app_name) as connect, _pool(
+        session_bouncer, app_name
+    ) as pool:
+        a, b = connect(), connect()
+        with pytest.raises(pglock.UnsupportedServer, match='pooler="session"'):
+            pglock.rwlock(a, name).write().acquire(timeout=0)
+        assert holders(other, name) == []
+        with pglock.rwlock(a, name, pooler="session").write(timeout=0):
+            assert holders(other, name) == [_server_pid(a)]
+            assert not pglock.rwlock(b, name, pooler="session").read().acquire(timeout=0)
+        with pglock.rwlock(a, name, pooler="session").read(), pglock.rwlock(
+            b, name, pooler="session"
+        ).read(timeout=5):
+            assert len(holders(other, name)) == 2
+        assert holders(other, name) == []
+
+        ran: list[int] = []
+        job = pglock.singleton(pool, name, pooler="session")(lambda: ran.append(1))
+        with pglock.rwlock(a, name, pooler="session").write():
+            assert job() is None  # held elsewhere: skipped
+        job()
+        assert ran == [1]
+        with pytest.raises(pglock.UnsupportedServer):
+            pglock.singleton(pool, name)(lambda: ran.append(2))()
+        assert ran == [1] and holders(other, name) == []
+
+
+def test_session_pooling_leader_and_migration_lock_with_the_override(
+    session_bouncer: Bouncer, app_name: str, other: psycopg.Connection[Any], name: str
+) -> None:
+    dsn = make_conninfo(session_bouncer.dsn(), application_name=app_name)
+    with pglock.leader(dsn, name, pooler="session", check_interval=0.2) as election:
+        assert election.wait_elected(timeout=10)
+        assert election.term is not None
+        assert len(holders(other, name)) == 1
+    assert holders(other, name) == []
+    with migration_lock(dsn, name, timeout=5, pooler="session"):
+        assert len(holders(other, name)) == 1
+    assert holders(other, name) == []
+    refused = pytest.raises(pglock.UnsupportedServer, match='pooler="session"')
+    with refused, migration_lock(dsn, name, timeout=5):
+        pytest.fail("the body ran without a usable lock")
+    with pglock.Locker(dsn, pooler="session") as locker:
+        with locker.rwlock(name).write(timeout=5):
+            assert len(holders(other, name)) == 1
+        with locker.leader(name, check_interval=0.2) as election:
+            assert election.wait_elected(timeout=10)
+    assert holders(other, name) == []
+
+
+def test_pooler_is_checked_before_any_io_by_every_session_lock_api(name: str) -> None:
+    dsn = "host=203.0.113.1 connect_timeout=1 dbname=nowhere"  # never reached
+    pool = psycopg_pool.ConnectionPool(dsn, open=False)  # never opened
+    for bad, error in (("sessions", ValueError), (1, TypeError)):
+        with pytest.raises(error, match="pooler"):
+            pglock.rwlock(pool, name, pooler=bad)  # type: ignore[arg-type]
+        with pytest.raises(error, match="pooler"):
+            pglock.leader(dsn, name, pooler=bad)  # type: ignore[arg-type]
+        with pytest.raises(error, match="pooler"):
+            pglock.singleton(pool, name, pooler=bad)  # type: ignore[arg-type]
+        with pytest.raises(error, match="pooler"):
+            migration_lock(dsn, name, pooler=bad)  # type: ignore[arg-type]
