@@ -40,7 +40,12 @@ _WATCHDOG_IDLE = 30.0
 
 class NoAnswer(psycopg.OperationalError):
     """A statement (or a connect) got no answer by its client-side deadline: pglock closed its
-    connection. Whether the statement ran on the server is unknown."""
+    connection. Whether the statement ran on the server is unknown, unless ``sent`` is False:
+    then it never left the client (no connection, or no time left to send it)."""
+
+    def __init__(self, *args: Any, sent: bool = True) -> None:
+        super().__init__(*args)
+        self.sent = sent
 
 
 @dataclass(slots=True, eq=False)
@@ -148,7 +153,8 @@ def within(
     if deadline is None:
         return call()
     if time.monotonic() >= deadline:
-        raise NoAnswer(f"pglock: no time left to send {what} (its deadline had passed)")
+        raise NoAnswer(f"pglock: no time left to send {what} (its deadline had passed)",
+                       sent=False)
     watch = _watchdog.arm(conn, deadline)
     try:
         result = call()
@@ -199,7 +205,8 @@ def connect_within(
         return connect()
     left = deadline - time.monotonic()
     if left <= 0:
-        raise NoAnswer("pglock: no time left to open a connection (its deadline had passed)")
+        raise NoAnswer("pglock: no time left to open a connection (its deadline had passed)",
+                       sent=False)
     lock = threading.Lock()
     done = threading.Event()
     box: dict[str, Any] = {}
@@ -229,7 +236,7 @@ def connect_within(
         return outcome
     raise NoAnswer(
         f"pglock: opening a connection took longer than the {left:.2f} s left (it goes on in "
-        "the background)"
+        "the background)", sent=False,
     )
 
 

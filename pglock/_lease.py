@@ -120,6 +120,8 @@ class Lease(_base.BaseLock, _ttl.Held):
         self._why_not: str | None = None
         #: Another handle took the claim over: a release of this handle sends nothing.
         self._superseded = False
+        #: An attempt of the acquisition in progress got no answer: it may have been granted.
+        self._unknown = False
 
     def _bind(self, source: Source) -> None:
         self._source = source
@@ -213,6 +215,7 @@ class Lease(_base.BaseLock, _ttl.Held):
         self._forget_lost()
         _claims.claim(self, resume=self._resume, in_use=self._in_use)
         granted = False
+        self._unknown = False
         try:
             self._why_not = None
             if self._resume:
@@ -224,6 +227,8 @@ class Lease(_base.BaseLock, _ttl.Held):
             return granted
         finally:
             if not granted:
+                if self._unknown and not self._resume:
+                    self._abandon()
                 _claims.unclaim(self)
 
     def _forget_lost(self) -> None:
@@ -280,9 +285,10 @@ class Lease(_base.BaseLock, _ttl.Held):
                 timeout=wait or None, deadline=sent + wait + ANSWER_GRACE,
             )
         except NoAnswer as exc:
+            self._unknown = self._unknown or exc.sent
             self._why_not = (
                 f"the database gave no answer within {wait + ANSWER_GRACE:.2f} s (a grant it "
-                "may have made expires at its TTL)"
+                "may have made is released, or expires at its TTL)"
             )
             logger.warning("acquiring lease %r: %s: %s", self._name, self._why_not, exc)
             return None
@@ -360,6 +366,22 @@ class Lease(_base.BaseLock, _ttl.Held):
                 "giving back the late grant of lease %r failed (it expires at its TTL): %r",
                 self._name, exc,
             )
+
+    def _abandon(self) -> None:
+        """The acquisition gives up after a statement whose answer was lost: it may have been
+        granted (or handed the lease). Release what this holder holds, best effort and within
+        a second, so that the lease does not stay with nobody until its TTL."""
+        deadline = time.monotonic() + 1.0
+        try:
+            rows = _run(self._source, "info", self._schema, (self._name,), deadline=deadline)
+            token = next((r[2] for r in rows if r[1] == self._holder), None)
+            if token is not None:
+                self._release_rows(token, deadline)
+                logger.info("lease %r: released a grant (token %s) whose answer was lost",
+                            self._name, token)
+        except Exception as exc:
+            logger.info("lease %r: could not look for a grant whose answer was lost (it ends "
+                        "at its TTL): %r", self._name, exc)
 
     def _release_rows(
         self, token: int | None, deadline: float
@@ -443,8 +465,9 @@ class Lease(_base.BaseLock, _ttl.Held):
             last = deadline is not None and sent >= deadline
             try:
                 rows = self._send("wait_v4", waiter, LIVENESS, deadline=sent + LIVENESS)
-            except NoAnswer:
+            except NoAnswer as exc:
                 if last:  # silent: its place lapses in LIVENESS, a grant in its window
+                    self._unknown = self._unknown or exc.sent
                     return self._gave_up("its last look got no answer", waiter=None)
                 beat = time.monotonic()  # silent: it may be skipped; the next beat tells
                 continue

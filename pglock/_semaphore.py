@@ -461,7 +461,7 @@ class Semaphore(_base.BaseLock):
         try:
             rows, again = _run(source, "acquire", self._schema, stmt, cut_off)
         except NoAnswer as exc:
-            req.unsure = True
+            req.unsure = req.unsure or exc.sent  # a connect given up sent nothing
             logger.warning(
                 "acquiring semaphore %r got no answer in time (a permit it may have been "
                 "granted is looked for by the next attempt, or released if it gives up): %s",

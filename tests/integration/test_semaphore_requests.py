@@ -1,7 +1,7 @@
 """One holder id per semaphore acquisition (issue 14, item 4), on the SQL side: sent again, an
 acquire that committed fails on its own (semaphore, holder) key and changes nothing else, and a
 waiting acquisition's attempts share one holder id and send nothing more when no answer was lost.
-The faults themselves (lost answers) are in tests/faults/test_semaphore_orphans.py.
+The faults themselves (lost answers) are in tests/faults/test_orphans.py.
 """
 
 from __future__ import annotations

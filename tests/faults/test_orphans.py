@@ -1,5 +1,5 @@
-"""No orphaned semaphore permits (issue 14, item 4): an acquire whose answer is lost after it
-committed on the server leaves no permit held by nobody.
+"""No grant held by nobody (issue 14, item 4): a semaphore or lease acquire whose answer is
+lost after it committed on the server leaves no permit or lease held by nobody.
 
 Every attempt of one acquisition sends the same holder id (a request id). A fault proxy on the
 shared server loses the acquire's answer: reset after the request ran (the statement is sent
@@ -7,7 +7,9 @@ once more on a new connection), or dropped (the client cuts the statement off at
 The oracle is the ``semaphore_permit`` table: exactly the permits asked for, held by the
 handle's holder id, while held; none after the release, and none when the acquisition gave up.
 The negative control replays the same fault with the old per-attempt holder ids in SQL: the
-first grant stays held by a holder id nobody knows.
+first grant stays held by a holder id nobody knows. A lease keeps one holder id per handle (a
+resend is a re-entrant acquire); one that gives up after a lost answer looks for a grant to its
+holder id and releases it (the oracle is the ``lease`` table).
 """
 
 from __future__ import annotations
@@ -195,3 +197,41 @@ def test_negative_control_per_attempt_holder_ids_orphan_the_first_grant(
     for holder in (first, second):
         observer.execute(sql.SQL("SELECT {}.semaphore_release(%s, %s)").format(
             sql.Identifier(schema)), (name, holder))
+
+
+def live_lease_holders(obs: psycopg.Connection[Any], schema: str, name: str) -> list[str]:
+    return [r[0] for r in obs.execute(
+        sql.SQL("SELECT holder FROM {}.lease WHERE name = %s AND expires_at > clock_timestamp()")
+        .format(sql.Identifier(schema)), (name,)
+    ).fetchall()]
+
+
+@pytest.mark.parametrize("timeout", [0, 0.5])
+def test_a_lease_acquire_that_gives_up_after_a_lost_answer_releases_its_grant(
+    timeout: float, proxied: str, proxy: Proxy, schema: str, name: str,
+    observer: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture, bounds: Bounds,
+) -> None:
+    """The grant commits and its answer is dropped: the client cuts the statement off at its
+    deadline (timeout + 1 s), says False, and releases the grant its holder id was given,
+    instead of leaving the lease with nobody for its TTL (60 s here)."""
+    caplog.set_level(logging.INFO, logger="pglock")
+    lease = pglock.lease(proxied, name, ttl=60, schema=schema)
+    try:
+        assert lease.acquire(timeout=0)  # the handle's source is connected before the fault
+        lease.release()
+        proxy.set_mode("drop_responses")
+        t0 = time.monotonic()
+        join = in_thread(lambda: lease.acquire(timeout=timeout))
+        wait_until(lambda: live_lease_holders(observer, schema, name) == [lease.holder]
+                   and proxy.dropped, "the grant to commit and its answer to be dropped")
+        proxy.set_mode("pass")  # what giving up sends gets through
+        assert join() is False
+        bounds.record("T11", "lease", f"acquire(timeout={timeout}) whose answer was dropped "
+                      "gave up and released its grant", time.monotonic() - t0)
+        assert live_lease_holders(observer, schema, name) == []
+        assert any("whose answer was lost" in r.getMessage() for r in caplog.records)
+        other = pglock.lease(proxied, name, ttl=5, schema=schema)
+        assert other.acquire(timeout=0)  # free at once, not after 60 s
+        other.release()
+    finally:
+        lease.close()
