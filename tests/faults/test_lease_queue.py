@@ -676,6 +676,7 @@ def _killed(
             per_name[name].append(Op(p, "release", t, math.inf, "info"))
 
 
+@pytest.mark.timeout(300)  # a hang guard: the 20 s soak's WGL check took 90 s on a loaded machine
 def test_T35_soak_with_queued_lease_waiters_is_linearizable(
     run: Run, queue_db: Cluster, app_name: str, tmp_path: Path, bounds: Bounds
 ) -> None:
