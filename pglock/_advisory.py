@@ -393,7 +393,9 @@ def _session_lock(
                 conn.commit()
         _registry.mark(conn, registering)
     except BaseException as exc:
-        return _failed_attempt(conn, state, status, keys, ctx, exc, shared=shared, timeout=timeout)
+        return _failed_attempt(
+            conn, state, status, keys, ctx, exc, shared=shared, timeout=timeout, pooler=pooler
+        )
     return not try_ or _all_or_nothing(conn, status, rows, keys, shared)
 
 

@@ -27,6 +27,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -875,3 +876,34 @@ def test_pooler_is_checked_before_any_io_by_every_session_lock_api(name: str) ->
             pglock.singleton(pool, name, pooler=bad)  # type: ignore[arg-type]
         with pytest.raises(error, match="pooler"):
             migration_lock(dsn, name, pooler=bad)  # type: ignore[arg-type]
+
+
+def test_session_pooling_none_survives_a_wait_cut_short_by_the_sessions_own_timeout(
+    via_session: Connect, other: psycopg.Connection[Any], name: str
+) -> None:
+    """A wait that the session's own statement_timeout cuts short is sent again with the
+    connection's declared pooler (it once fell back to "auto" and refused the pooler)."""
+    a, b = via_session(), via_session()
+    with pglock.pg_lock(b, f"{name}:probe", pooler="none"):
+        pass  # probed before the session gets a timeout of its own: pglock learns it late
+    b.execute("SET statement_timeout = '100ms'")
+    out: list[Any] = []
+
+    def waiter() -> None:
+        try:
+            with pglock.pg_lock(b, name, pooler="none"):  # waits past the 100 ms timeout
+                out.append(holders(other, name))
+        except BaseException as exc:
+            out.append(exc)
+
+    held = pglock.pg_lock(a, name, pooler="none")
+    assert held.acquire(timeout=0)
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    time.sleep(0.5)  # several of b's statement timeouts
+    held.release()
+    thread.join(20)
+    assert not thread.is_alive(), "the waiter was still blocked 20 s after the release"
+    pid = b.execute("SELECT pg_backend_pid()").fetchone()
+    assert pid is not None and out == [[pid[0]]], out
+    assert holders(other, name) == []
