@@ -234,9 +234,13 @@ def test_close_never_cancels_another_threads_statement(
     for t in threads:
         t.start()
     try:
-        for _ in range(400):
+        # At least 400 closes, and on until both outcomes were seen (a grant between two
+        # closes can take a while on a loaded machine), 20 s at most.
+        closes, give_up = 0, time.monotonic() + 20
+        while (closes < 400 or outcomes != {True, False}) and time.monotonic() < give_up:
             lock.close()
             time.sleep(0.002)
+            closes += 1
     finally:
         stop.set()
         for t in threads:
