@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 
-def in_thread(fn: Callable[[], object], timeout: float = 20) -> object:
-    """Run ``fn`` in another thread; its result, or the exception it raised."""
-    out: list[object] = []
+def started(fn: Callable[[], Any], timeout: float = 30) -> Callable[[], Any]:
+    """Start ``fn`` in another thread now; the returned function joins it (``timeout`` s at
+    most, a hang guard) and returns its result, or the exception it raised."""
+    out: list[Any] = []
 
     def run() -> None:
         try:
@@ -19,8 +21,18 @@ def in_thread(fn: Callable[[], object], timeout: float = 20) -> object:
         except BaseException as exc:
             out.append(exc)
 
-    t = threading.Thread(target=run)
+    t = threading.Thread(target=run, daemon=True)
     t.start()
-    t.join(timeout)
-    assert not t.is_alive() and len(out) == 1
-    return out[0]
+
+    def join() -> Any:
+        t.join(timeout)
+        assert not t.is_alive() and len(out) == 1, f"{fn!r} was still running {timeout} s later"
+        return out[0]
+
+    return join
+
+
+def in_thread(fn: Callable[[], object], timeout: float = 20) -> object:
+    """Run ``fn`` in another thread; its result, or the exception it raised."""
+    result: object = started(fn, timeout)()
+    return result

@@ -15,7 +15,6 @@ holder id and releases it (the oracle is the ``lease`` table).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from typing import Any
 import psycopg
 import pytest
 from _pgdb import own_schema
+from _threads import started
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
@@ -71,28 +71,6 @@ def wait_until(pred: Callable[[], Any], what: str, timeout: float = 20.0) -> Non
         time.sleep(0.01)
 
 
-def in_thread(call: Callable[[], Any]) -> Callable[[], Any]:
-    """Start ``call`` in a thread; the returned function joins it (30 s at most, a hang guard)
-    and returns its result or exception."""
-    out: list[Any] = []
-
-    def run() -> None:
-        try:
-            out.append(call())
-        except BaseException as exc:
-            out.append(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-
-    def join() -> Any:
-        thread.join(30)
-        assert not thread.is_alive(), "the acquire was still blocked 30 s later"
-        return out[0]
-
-    return join
-
-
 @pytest.mark.parametrize(
     ("limit", "permits"), [(2, 1), (1, 1), (3, 2)],
     # The resend fails on its own (semaphore, holder) key when a second copy would fit; else
@@ -135,7 +113,7 @@ def test_giving_up_after_a_lost_answer_leaves_no_permit(
         assert sem.count() == 0
         proxy.set_mode("drop_responses")
         t0 = time.monotonic()
-        join = in_thread(lambda: sem.acquire(timeout=0.5))
+        join = started(lambda: sem.acquire(timeout=0.5))
         wait_until(lambda: len(permit_rows(observer, schema, name)) == 1 and proxy.dropped,
                    "the grant to commit and its answer to be dropped")
         proxy.set_mode("pass")  # the release that giving up sends gets through
@@ -221,7 +199,7 @@ def test_a_lease_acquire_that_gives_up_after_a_lost_answer_releases_its_grant(
         lease.release()
         proxy.set_mode("drop_responses")
         t0 = time.monotonic()
-        join = in_thread(lambda: lease.acquire(timeout=timeout))
+        join = started(lambda: lease.acquire(timeout=timeout))
         wait_until(lambda: live_lease_holders(observer, schema, name) == [lease.holder]
                    and proxy.dropped, "the grant to commit and its answer to be dropped")
         proxy.set_mode("pass")  # what giving up sends gets through
