@@ -8,6 +8,7 @@ default and annotation, except those the Locker supplies itself (its schema).
 from __future__ import annotations
 
 import inspect
+import sys
 import typing
 from collections.abc import Callable
 from typing import Any
@@ -73,6 +74,8 @@ def test_each_option_is_a_constructor_keyword_of_the_same_type(options: type, cl
     for name, hint in hints.items():
         assert name in params, f"{cls.__name__}() has no {name!r}"
         assert params[name].default is not inspect.Parameter.empty, name
+        if sys.version_info < (3, 11) and params[name].default is None:
+            hint = hint | None  # Python 3.10's get_type_hints makes a None default Optional
         assert ctor[name] == hint, name
 
 
