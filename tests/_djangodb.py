@@ -16,7 +16,7 @@ from typing import Any
 from psycopg.conninfo import conninfo_to_dict
 
 #: libpq parameters that have a settings key of their own in Django's DATABASES.
-_OWN_KEYS = {"dbname": "NAME", "user": "USER", "password": "PASSWORD", "host": "HOST",
+OWN_KEYS = {"dbname": "NAME", "user": "USER", "password": "PASSWORD", "host": "HOST",
              "port": "PORT"}
 
 
@@ -38,8 +38,8 @@ def database_settings(dsn: str, **overrides: Any) -> dict[str, Any]:
     entry: dict[str, Any] = {"ENGINE": "django.db.backends.postgresql"}
     options: dict[str, Any] = {}
     for key, value in params.items():
-        if key in _OWN_KEYS:
-            entry[_OWN_KEYS[key]] = value
+        if key in OWN_KEYS:
+            entry[OWN_KEYS[key]] = value
         else:
             options[key] = value
     options.update(overrides.pop("OPTIONS", {}))
