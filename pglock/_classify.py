@@ -22,10 +22,11 @@ class Kind(enum.Enum):
     DSN = "a connection string (DSN)"
     URL = "a SQLAlchemy URL"
     SA_POOL = "a SQLAlchemy Pool"
+    DJANGO = "a Django connection (django.db.connection)"
 
 
 #: A connection the caller holds: locks taken on it live in its session.
-HELD = frozenset({Kind.CONNECTION, Kind.SA_CONNECTION, Kind.SESSION})
+HELD = frozenset({Kind.CONNECTION, Kind.SA_CONNECTION, Kind.SESSION, Kind.DJANGO})
 #: Somewhere pglock takes connections from (or opens them, for a DSN).
 SOURCES = frozenset({Kind.POOL, Kind.ENGINE, Kind.DSN})
 #: The SQLAlchemy kinds: they need its psycopg (3) driver wherever pglock uses the connection.
@@ -74,6 +75,10 @@ def kind_of(obj: object) -> Kind | None:
         raise _synchronous_only("psycopg_pool.ConnectionPool")
     if _from_module(obj, "sqlalchemy."):
         return _sqlalchemy_kind(obj)
+    if _from_module(obj, "django."):
+        from ._django import wrapper_of  # Django is loaded: obj's class comes from it
+
+        return Kind.DJANGO if wrapper_of(obj) is not None else None
     return None
 
 

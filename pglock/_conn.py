@@ -72,7 +72,7 @@ class Target:
 
     conn: psycopg.Connection[Any]
     source: object
-    kind: str  # "psycopg", "sqlalchemy" or "session"
+    kind: str  # "psycopg", "sqlalchemy", "session" or "django"
 
 
 def resolve(obj: object, api: str = "pglock") -> Target:
@@ -90,6 +90,10 @@ def resolve(obj: object, api: str = "pglock") -> Target:
         return Target(_check_open(obj), obj, "psycopg")
     if kind is Kind.SESSION:
         return _resolve_session(obj)
+    if kind is Kind.DJANGO:
+        from ._django import connection_of
+
+        return Target(_check_open(connection_of(obj)[0]), obj, "django")
     sa_conn: Any = obj
     check_driver(sa_conn.dialect)
     if sa_conn.closed or sa_conn.invalidated:

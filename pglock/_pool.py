@@ -5,6 +5,7 @@ holds. Why and how: docs/pools.md.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
@@ -20,6 +21,8 @@ from ._advisory import PgLock
 from ._base import BaseLock
 from ._classify import Deferred, Kind, check_driver, classify
 from ._conn import IDLE, INERROR, INTRANS
+from ._django import connected as django_connected
+from ._django import pool_of as django_pool
 from ._keys import deadline as _deadline
 from ._keys import normalize_names, validate_flag, validate_timeout
 from ._keys import remaining as _remaining
@@ -68,28 +71,39 @@ def _pool_id(kind: str, source: Any) -> int:
     return id(source.pool) if kind == "sqlalchemy" else id(source)
 
 
-def reset_connection(conn: psycopg.Connection[Any]) -> None:
+def reset_connection(conn: object) -> None:
     """Release every advisory lock a pooled connection still holds: a psycopg_pool reset hook.
 
     One statement releases the session's advisory locks, with a WARNING on ``pglock.pool``
     naming leaked keys; a ``pg_lock`` handle still on one raises :class:`pglock.LockLost`.
     If it fails, psycopg_pool discards the connection. Cost and details: docs/pools.md.
 
-    :raises TypeError: ``conn`` is not a psycopg ``Connection``.
+    A Django connection (``django.db.connection``) is reset the same way if it is connected
+    (a no-op if not): for persistent connections (``CONN_MAX_AGE``), called at the end of each
+    request (docs/django.md).
+
+    :raises TypeError: ``conn`` is not a psycopg ``Connection`` or a Django connection on
+        psycopg 3.
 
     Example::
 
         pool = psycopg_pool.ConnectionPool(dsn, reset=pglock.reset_connection, open=False)
     """
-    classify(conn, (Kind.CONNECTION,), api="reset_connection")
-    if conn.closed or conn.broken:
-        _conn.forget(conn, lost=_RESET_LOST)
+    if classify(conn, (Kind.CONNECTION, Kind.DJANGO), api="reset_connection") is Kind.DJANGO:
+        found = django_connected(conn)
+        if found is None:
+            return
+        pg = found
+    else:
+        pg = cast(psycopg.Connection[Any], conn)
+    if pg.closed or pg.broken:
+        _conn.forget(pg, lost=_RESET_LOST)
         return
-    status = conn.info.transaction_status
+    status = pg.info.transaction_status
     if status == INERROR:
-        conn.rollback()
+        pg.rollback()
         status = IDLE
-    release_all(conn, source="pool reset", end_own_transaction=status == IDLE)
+    release_all(pg, source="pool reset", end_own_transaction=status == IDLE)
 
 
 def release_all(
@@ -138,20 +152,28 @@ _USE_PG_LOCK = dict.fromkeys(
     "pglock.pg_lock(connection, ...)",
 )
 _USE_PG_LOCK[Kind.DSN] = "use pglock.Locker(dsn), which keeps a pool for a DSN"
+_USE_PG_LOCK[Kind.DJANGO] = (
+    "pass connections[alias].pool (Django's pool, DATABASES OPTIONS 'pool'), or use "
+    "pglock.pg_lock(connection, ...) for a lock on the connection itself"
+)
 
 
 #: Classes classify() found to be psycopg_pool pools (the common case, without the walk).
 _POOL_TYPES: set[type] = set()
 
 
-def _classify(source: object, api: str = "pool_lock") -> str:
-    """``"psycopg_pool"`` or ``"sqlalchemy"``; TypeError for anything else (no I/O)."""
+def _classify(source: object, api: str = "pool_lock", django: bool = False) -> str:
+    """``"psycopg_pool"`` or ``"sqlalchemy"`` (or ``"django"``, a Django connection, when
+    ``django``); TypeError for anything else (no I/O)."""
     if type(source) in _POOL_TYPES:
         return "psycopg_pool"
-    kind = classify(source, (Kind.POOL, Kind.ENGINE), api=api, hints=_USE_PG_LOCK)
+    accepted = (Kind.POOL, Kind.ENGINE, Kind.DJANGO) if django else (Kind.POOL, Kind.ENGINE)
+    kind = classify(source, accepted, api=api, hints=_USE_PG_LOCK)
     if kind is Kind.POOL:
         _POOL_TYPES.add(type(source))
         return "psycopg_pool"
+    if kind is Kind.DJANGO:
+        return "django"
     check_driver(cast(Any, source).dialect)
     return "sqlalchemy"
 
@@ -183,7 +205,11 @@ class PoolLock(BaseLock):
         self._shared = validate_flag(shared, "shared")
         self._timeout = validate_timeout(timeout)
         self._pooler = _conn.validate_pooler(pooler)
-        self._kind: str | None = None if isinstance(source, Deferred) else _classify(source)
+        kind = None if isinstance(source, Deferred) else _classify(source, django=True)
+        if kind == "django":  # its pool (OPTIONS "pool"), found and opened at the first use
+            django_pool(source, open=False)  # refused now if it has none (no I/O)
+            kind, source = None, Deferred(functools.partial(django_pool, source))
+        self._kind: str | None = kind
         self._given = source
         self._mutex = threading.Lock()
         self._busy = False  # an acquire() is running
@@ -466,8 +492,9 @@ def pool_lock(
     confirmed. The object follows the lock contract (docs/locks.md); step by step, timeouts
     and nesting: docs/pools.md.
 
-    :param pool_or_engine: a ``psycopg_pool.ConnectionPool`` (or ``NullConnectionPool``) or a
-        SQLAlchemy ``Engine`` using the psycopg driver.
+    :param pool_or_engine: a ``psycopg_pool.ConnectionPool`` (or ``NullConnectionPool``), a
+        SQLAlchemy ``Engine`` using the psycopg driver, or a Django connection configured with
+        a pool (``DATABASES`` ``OPTIONS["pool"]``; its pool is used, docs/django.md).
     :param names: a lock name, or several taken together (sorted by key: no deadlock).
     :param options: keyword-only, the same for :meth:`Locker.lock` (``PoolLockOptions``):
 

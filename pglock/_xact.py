@@ -13,6 +13,7 @@ from psycopg import sql
 from . import _conn, _holds, _registry, _sql
 from ._advisory import AGAIN, cut_short, housekeeping, reserved, undo_savepoint, wait_limit
 from ._conn import IDLE, ConnState, Context, Target
+from ._django import no_transaction as no_django_transaction
 from ._holds import UNKNOWN
 from ._keys import deadline as _deadline
 from ._keys import normalize_names, validate_flag, validate_timeout
@@ -75,6 +76,8 @@ def xact_acquire(
     acquired within ``timeout``."""
     conn = target.conn
     if _conn.check_usable(conn) == IDLE and conn.autocommit:
+        if target.kind == "django":
+            raise no_django_transaction(api)
         raise InvalidConnectionState.no_transaction(
             api, "the lock would be released as soon as it is taken",
             " (or pg_lock for a session-level lock)",

@@ -7,6 +7,11 @@ after it. Sessions the examples open carry this test's ``application_name`` (thr
 each test also checks that no session is left inside a transaction, and a connection the
 example forgot to close fails it through psycopg's ResourceWarning.
 
+The blocks of docs/django.md run with Django configured (tests/_djangodb.py) and its "default"
+database on that throwaway database, with the other settings of the ``DATABASES`` of the
+nearest block above that defines one (its NAME, HOST, ... replaced); Django's connections, pool
+and the request signals' receivers are put back after each block.
+
 Blocks that must not run use another fence (```bash, ```text, ```sql, ...). A python block may
 opt out only with ``<!-- no-run: reason -->`` on the line just before its fence; the reason is
 shown in the test report (the block is collected and skipped, never silently dropped).
@@ -14,11 +19,13 @@ shown in the test report (the block is collected and skipped, never silently dro
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -114,6 +121,38 @@ def _close_background_connections() -> None:
     _lease.shutdown()
 
 
+def _django_settings(block: Block) -> dict[str, Any]:
+    """The ``DATABASES["default"]`` of the nearest block above ``block`` that defines one."""
+    for above in reversed([b for b in python_blocks(block.path) if b.line < block.line]):
+        if "DATABASES = " in above.code:
+            namespace: dict[str, Any] = {}
+            exec(compile(above.code, above.id, "exec"), namespace)
+            return dict(namespace["DATABASES"]["default"])
+    return {}
+
+
+@contextlib.contextmanager
+def _django(block: Block, dsn: str) -> Iterator[None]:
+    """For a block of docs/django.md: Django's "default" on ``dsn`` (see the module doc)."""
+    if block.path.name != "django.md":
+        yield
+        return
+    import _djangodb
+    from django.core.signals import request_finished, request_started
+
+    given = _django_settings(block)
+    overrides = {k: v for k, v in given.items() if k not in _djangodb.OWN_KEYS.values()}
+    overrides.pop("ENGINE", None)
+    saved = {s: list(s.receivers) for s in (request_started, request_finished)}
+    try:
+        with _djangodb.database(dsn, **overrides):
+            yield
+    finally:
+        for signal, receivers in saved.items():
+            signal.receivers = receivers
+            signal.sender_receivers_cache.clear()
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
 def test_example_runs(
     block: Block, docs_dsn: str, app_name: str, monkeypatch: pytest.MonkeyPatch
@@ -123,7 +162,8 @@ def test_example_runs(
     monkeypatch.setenv("PGAPPNAME", app_name)
     namespace = {"__name__": "__docs_example__", "DSN": docs_dsn, "dsn": docs_dsn}
     try:
-        exec(compile(block.code, block.id, "exec"), namespace)
+        with _django(block, docs_dsn):
+            exec(compile(block.code, block.id, "exec"), namespace)
     finally:
         # Drop the example's references: a connection it did not close is garbage-collected
         # now, and psycopg's ResourceWarning fails the test (filterwarnings = error).

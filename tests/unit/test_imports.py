@@ -111,3 +111,24 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 def test_no_import_cycles() -> None:
     found = cycles(import_graph())
     assert not found, "import cycles in pglock:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_pglock_imports_no_optional_framework() -> None:
+    """``import pglock``, and telling apart objects that are none of them, loads neither Django
+    nor SQLAlchemy: they are imported only once the caller passes one of their objects."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pglock\n"
+        "from pglock._classify import kind_of\n"
+        "assert kind_of(object()) is None and kind_of('dbname=x') is not None\n"
+        "loaded = sorted(m for m in ('django', 'sqlalchemy') if m in sys.modules)\n"
+        "assert not loaded, loaded\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT.parent)},  # this tree's pglock
+    )
+    assert done.returncode == 0, done.stderr
