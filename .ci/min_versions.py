@@ -43,9 +43,9 @@ DEVELOPMENT = {"test", "lint", "docs", "bench", "cli", "embedded"}
 #: Extras that only pick psycopg's implementation: the run uses pure-Python psycopg on the
 #: system libpq, so that psycopg's own lower bound is what runs; these are only resolved.
 IMPLEMENTATION = {"binary"}
-#: Test tools pinned to their lower bound too (the rest of the test extra is not needed for the
-#: subset below: pgserver, testcontainers, psycopg2 serve other tests).
-TEST_TOOLS = {"pytest", "pytest-timeout", "hypothesis"}
+#: Test tools, and Django (docs/django.md promises 5.1+), pinned to their lower bounds too; the
+#: rest of the test extra serves other tests (pgserver, testcontainers, psycopg2).
+TEST_TOOLS = {"pytest", "pytest-timeout", "hypothesis", "django"}
 
 #: The smoke subset: each public entry point once, through each optional dependency, on the
 #: oldest versions. Every database test here talks to the real server.
@@ -58,6 +58,7 @@ SMOKE = [
     "tests/integration/test_sqlalchemy_conn.py",
     "tests/integration/test_semaphore.py",
     "tests/integration/test_lease_keepalive.py",
+    "tests/integration/test_django.py",
     "tests/migrations/test_migration_lock.py",
 ]
 
