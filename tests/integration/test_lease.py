@@ -574,7 +574,11 @@ def test_a_serialization_failure_is_sent_again_at_read_committed(
         dsn, admin, app_name, name, lambda _locks: lease.extend(), 8
     )
     assert "error" not in out, out
-    assert 1 <= rounds <= 2
+    # It waited at least once; how many more times depends on a race the server decides:
+    # after each commit the re-sent renewal and the next UPDATE both go for the new row
+    # version, and the UPDATE sometimes wins, so the renewal waits again (at READ COMMITTED
+    # a wait ends in the change, never in a failure). It was sent again exactly once.
+    assert 1 <= rounds < 8
     assert statements["retry_read_committed"] - before == 1
     lease.check()
     row = row_of(admin, name)
