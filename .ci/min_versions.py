@@ -43,9 +43,11 @@ DEVELOPMENT = {"test", "lint", "docs", "bench", "cli", "embedded"}
 #: Extras that only pick psycopg's implementation: the run uses pure-Python psycopg on the
 #: system libpq, so that psycopg's own lower bound is what runs; these are only resolved.
 IMPLEMENTATION = {"binary"}
-#: Test tools, and Django (docs/django.md promises 5.1+), pinned to their lower bounds too; the
-#: rest of the test extra serves other tests (pgserver, testcontainers, psycopg2).
-TEST_TOOLS = {"pytest", "pytest-timeout", "hypothesis", "django"}
+#: Test tools, Django (docs/django.md promises 5.1+) and the OpenTelemetry SDK (the otel extra
+#: pins opentelemetry-api to its lower bound; the SDK of the same version goes with it), pinned
+#: to their lower bounds too; the rest of the test extra serves other tests (pgserver,
+#: testcontainers, psycopg2).
+TEST_TOOLS = {"pytest", "pytest-timeout", "hypothesis", "django", "opentelemetry-sdk"}
 
 #: The smoke subset: each public entry point once, through each optional dependency, on the
 #: oldest versions. Every database test here talks to the real server.
@@ -59,6 +61,7 @@ SMOKE = [
     "tests/integration/test_semaphore.py",
     "tests/integration/test_lease_keepalive.py",
     "tests/integration/test_django.py",
+    "tests/integration/test_telemetry.py",
     "tests/migrations/test_migration_lock.py",
 ]
 

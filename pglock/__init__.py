@@ -13,6 +13,7 @@ from ._rwlock import RWLock, rwlock
 from ._schema import install
 from ._semaphore import Permit, Semaphore, semaphore
 from ._singleton import Singleton, singleton
+from ._telemetry import configure_telemetry
 from ._xact import try_xact_lock, xact_lock
 from .errors import (
     DeadlockDetected,
@@ -58,6 +59,7 @@ __all__ = [
     "UnsupportedServer",
     "__version__",
     "advisory_locks",
+    "configure_telemetry",
     "install",
     "key",
     "leader",

@@ -247,3 +247,19 @@ def test_issue13_targets_come_from_the_figures() -> None:
     assert wal(1.002, 0.0, 2.0) == "met"
     assert wal(2.0, 0.0, 2.0) == "not met"
     assert wal(1.0, 0.0, 1.0) == "not yet measurable"  # the controls are off: not trusted
+
+
+@pytest.mark.timeout(90)
+def test_otel_benchmark_runs(pg_dsn: str, tmp_path: Path) -> None:
+    out = tmp_path / "otel.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.otel", "--dsn", pg_dsn, "--cycles", "30",
+         "--blocks", "3", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=80, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.startswith("pglock " + pglock.__version__)  # environment line
+    result: dict[str, Any] = json.loads(out.read_text())
+    assert set(result["modes"]) == {"off", "metrics", "metrics+spans"}
+    assert all(row["cpu_us"] > 0 for row in result["modes"].values())
+    assert result["modes"]["off"]["ratio_vs_off"] == 1.0

@@ -1119,10 +1119,11 @@ def test_the_matrix_covers_the_public_lock_api() -> None:
         "list_leases", "advisory_locks", "pool_lock", "Locker", "reset_connection",
         "semaphore", "semaphores", "leader", "singleton",
     }
-    # not lock APIs: the key function, the schema install, error and value classes, and the
-    # handle classes the factories above return
+    # not lock APIs: the key function, the schema install, the telemetry switch, error and value
+    # classes, and the handle classes the factories above return
     other = {
-        "key", "install", "MAX_NAME_BYTES", "__version__", "AdvisoryLock", "LeaseInfo",
+        "key", "install", "configure_telemetry", "MAX_NAME_BYTES", "__version__", "AdvisoryLock",
+        "LeaseInfo",
         "SemaphoreHolder", "SemaphoreInfo", "Lease", "LeaderElection", "Permit", "PgLock",
         "PoolLock", "RWLock", "Semaphore", "Singleton",
     }
