@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import psycopg
 from psycopg import conninfo as pg_conninfo
+from psycopg.pq import TransactionStatus
 
 from . import _advisory, _conn, _sql, _xact
 from ._base import release_after
 from ._classify import Kind, check_driver, classify
+from ._deadline import within
 from ._keys import _key, key, validate_name, validate_timeout
 from ._keys import deadline as _deadline
 from ._keys import remaining as _remaining
@@ -314,6 +316,8 @@ class LeaderElection:
                 except _TermOver:
                     self._close()
                 except (psycopg.Error, LockError, OSError) as exc:
+                    if self._stop.is_set() and isinstance(exc, psycopg.errors.QueryCanceled):
+                        break  # resign() cancelled the statement in flight
                     self._lose(f"the connection failed: {exc}")
                     self._close()
                     failures += 1
@@ -333,7 +337,7 @@ class LeaderElection:
                     lambda: not self._events and not self._in_callback,
                     self._network_timeout + self._interval + 5.0,
                 )
-            self._close()
+            self._close(release=True)
             with self._cond:
                 self._running = False
                 self._cond.notify_all()
@@ -365,9 +369,24 @@ class LeaderElection:
             self._conn = conn
         self._pid_start = (pid, started)
 
-    def _close(self) -> None:
+    def _close(self, *, release: bool = False) -> None:
+        """Close the dedicated session; with ``release``, unlock first when the session is
+        usable, so that the lock is free when :meth:`resign` returns (a closed session keeps
+        its locks until its backend has exited, a moment after the client closed it)."""
         with self._conn_guard:
             conn, self._conn = self._conn, None
+        if (
+            release and conn is not None and not conn.closed
+            and conn.info.transaction_status == TransactionStatus.IDLE
+        ):
+            try:
+                within(
+                    conn, time.monotonic() + self._network_timeout,
+                    lambda: _conn.run(conn, _sql.LEADER_UNLOCK), "the leader's unlock",
+                )
+            except Exception:  # the close below drops the lock all the same, a moment later
+                logger.debug("unlocking before closing the leader connection failed",
+                             exc_info=True)
         if conn is not None:
             try:
                 conn.close()

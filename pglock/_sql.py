@@ -428,6 +428,10 @@ def leader_session_setup(
     ).format(*map(sql.Literal, settings))
 
 
+# A resigning leader gives its lock back before closing its dedicated session: the server ends
+# a closed session's backend (and drops its locks) only a moment after the client has gone.
+LEADER_UNLOCK = "SELECT pg_catalog.pg_advisory_unlock_all()"
+
 LEADER_SESSION = (
     "SELECT pg_catalog.pg_backend_pid(), a.backend_start, pg_catalog.pg_is_in_recovery()"
     " FROM pg_catalog.pg_stat_activity a WHERE a.pid = pg_catalog.pg_backend_pid()"

@@ -122,6 +122,41 @@ def test_one_leader_callbacks_and_handover(
     a.resign()
 
 
+def test_the_lock_is_free_when_resign_returns(
+    dsn: str, name: str, elections: list[pglock.LeaderElection], conn: psycopg.Connection[Any],
+    app_name: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The server drops a closed session's locks only when its backend has exited, a moment
+    # after the client closed the socket. Here that moment is stretched to 2 s: the leader's
+    # connection really closes 2 s after close() is called. resign() must not depend on it.
+    real_close = psycopg.Connection.close
+    late: list[threading.Timer] = []
+
+    def close_later(self: psycopg.Connection[Any]) -> None:
+        if self.info.parameter_status("application_name") != app_name:
+            return real_close(self)
+        timer = threading.Timer(2.0, real_close, (self,))
+        late.append(timer)
+        timer.start()
+
+    a = candidate(elections, dsn, name).start()
+    assert a.wait_elected(10)
+    (pid,) = leader_backends(conn, name, app_name)
+    monkeypatch.setattr(psycopg.Connection, "close", close_later)
+    try:
+        a.resign()
+        assert late, "the leader's connection was not closed"
+        assert leader_backends(conn, name, app_name) == []
+        still_there = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,)
+        ).fetchone()
+        assert still_there == (1,), "control: the session had not ended yet"
+    finally:
+        monkeypatch.undo()
+        for timer in late:
+            timer.join()
+
+
 def test_terminated_session_is_noticed_and_the_term_rises(
     dsn: str, name: str, elections: list[pglock.LeaderElection], conn: psycopg.Connection[Any],
     app_name: str,
