@@ -10,13 +10,9 @@ that long, never bounded above.
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -35,7 +31,6 @@ from pglock import _advisory, _telemetry, _xact
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parents[2]
 
 Attrs = frozenset[tuple[str, Any]]
 
@@ -134,20 +129,6 @@ def known_wait(otel: Telemetry, held: Any, waiter: Any, seconds: float, kind: st
 
 
 # --- off ---------------------------------------------------------------------------------------
-
-
-def test_import_pglock_does_not_import_opentelemetry() -> None:
-    code = (
-        "import sys, pglock\n"
-        "assert not pglock._telemetry.installed()\n"
-        "loaded = sorted(m for m in sys.modules if m.startswith('opentelemetry'))\n"
-        "assert not loaded, loaded\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},  # this tree's pglock
-    )
-    assert done.returncode == 0, done.stderr
 
 
 def test_off_means_the_lock_methods_are_the_classes_own(otel: Telemetry) -> None:

@@ -115,7 +115,8 @@ def test_no_import_cycles() -> None:
 
 def test_pglock_imports_no_optional_framework() -> None:
     """``import pglock``, and telling apart objects that are none of them, loads neither Django
-    nor SQLAlchemy: they are imported only once the caller passes one of their objects."""
+    nor SQLAlchemy: they are imported only once the caller passes one of their objects. Nor
+    OpenTelemetry, imported only by ``configure_telemetry()``, whose hooks are not installed."""
     import os
     import subprocess
     import sys
@@ -124,7 +125,9 @@ def test_pglock_imports_no_optional_framework() -> None:
         "import sys, pglock\n"
         "from pglock._classify import kind_of\n"
         "assert kind_of(object()) is None and kind_of('dbname=x') is not None\n"
-        "loaded = sorted(m for m in ('django', 'sqlalchemy') if m in sys.modules)\n"
+        "assert not pglock._telemetry.installed()\n"
+        "loaded = sorted(m for m in sys.modules\n"
+        "                if m.split('.')[0] in ('django', 'sqlalchemy', 'opentelemetry'))\n"
         "assert not loaded, loaded\n"
     )
     done = subprocess.run(
