@@ -13,6 +13,7 @@ inner ``pg_lock``, a lease, a semaphore permit), under the outer kind.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import sys
@@ -255,7 +256,7 @@ def _wait(
     outer = _local.outer = _Outer(attrs)
     start_ns = time.time_ns()
     t0 = time.perf_counter()
-    st.waiters.add(1, attrs)
+    _quietly(lambda: st.waiters.add(1, attrs))
     exc: BaseException | None = None
     result: Any = None
     try:
@@ -267,8 +268,10 @@ def _wait(
     finally:
         _local.outer = None
         elapsed = time.perf_counter() - t0
-        st.waiters.add(-1, attrs)
-        _record_wait(st, kind, attrs, info, obj, result, exc, start_ns, elapsed, outer, extra)
+        _quietly(lambda: st.waiters.add(-1, attrs))
+        _quietly(lambda: _record_wait(
+            st, kind, attrs, info, obj, result, exc, start_ns, elapsed, outer, extra
+        ))
 
 
 def _record_wait(
@@ -311,6 +314,22 @@ def _held(st: _State, obj: Any) -> tuple[float, dict[str, str]] | None:
     return hold  # type: ignore[no-any-return]
 
 
+_failed_once: list[bool] = []
+
+
+def _quietly(record: Callable[[], object]) -> None:
+    """Run ``record()``, a recording: telemetry never changes what a lock call returns or
+    raises, nor leaves a lock held behind an error of its own. An error of the SDK, or of a
+    span processor or exporter of the application's, is logged (the first at WARNING)."""
+    try:
+        record()
+    except Exception:
+        level = logging.DEBUG if _failed_once else logging.WARNING
+        _failed_once.append(True)
+        logger.log(level, "pglock telemetry: recording failed (the lock is unaffected)",
+                   exc_info=True)
+
+
 # The wrappers, one maker per hook.
 
 def _acquire_wrapper(
@@ -351,24 +370,37 @@ def _release_wrapper(
         try:
             return orig(self, *args, **kwargs)
         except LockLost as exc:
-            hold = holder.__dict__.get(_HOLD)
-            attrs = hold[1] if hold is not None else st.attrs(kind, lambda: name(self))
             if not counted:
-                st.losses.add(1, attrs)
-                if kind == "lease":
-                    _lease_lost_span(st, self, exc.reason if hasattr(exc, "reason") else str(exc))
+                _quietly(functools.partial(_count_loss, st, kind, self, holder, name, exc))
             raise
         finally:
-            _held(st, holder)
+            _quietly(lambda: _held(st, holder))
 
     release.__wrapped__ = orig  # type: ignore[attr-defined]
     return release
+
+
+def _count_loss(
+    st: _State, kind: str, lock: Any, holder: Any, name: Callable[[Any], str], exc: LockLost
+) -> None:
+    hold = holder.__dict__.get(_HOLD)
+    attrs = hold[1] if hold is not None else st.attrs(kind, lambda: name(lock))
+    st.losses.add(1, attrs)
+    if kind == "lease":
+        _lease_lost_span(st, lock, exc.reason if hasattr(exc, "reason") else str(exc))
 
 
 def _lease_lost_span(st: _State, lease: Any, reason: str) -> None:
     now = time.time_ns()
     attrs = {KIND: "lease", **_lease_info(lease), "pglock.lost.reason": reason}
     st.span("pglock.lease.lost", now, now, attrs)
+
+
+def _count_lease_lost(st: _State, lease: Any) -> None:
+    hold = lease.__dict__.get(_HOLD)
+    attrs = hold[1] if hold is not None else st.attrs("lease", lambda: lease._name)
+    st.losses.add(1, attrs)
+    _lease_lost_span(st, lease, lease._lost_reason)
 
 
 def _lease_lose_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -378,14 +410,21 @@ def _lease_lose_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
         result = orig(self, *args, **kwargs)
         if st is not None and before is not self._state and self._state.value == "lost":
             self.__dict__[_COUNTED] = True
-            hold = self.__dict__.get(_HOLD)
-            attrs = hold[1] if hold is not None else st.attrs("lease", lambda: self._name)
-            st.losses.add(1, attrs)
-            _lease_lost_span(st, self, self._lost_reason)
+            _quietly(lambda: _count_lease_lost(st, self))
         return result
 
     _lose.__wrapped__ = orig  # type: ignore[attr-defined]
     return _lose
+
+
+def _keepalive_span(
+    st: _State, kind: str, info: dict[str, Any], exc: BaseException | None
+) -> None:
+    now = time.time_ns()
+    attrs = {KIND: kind, **info}
+    if exc is not None:
+        attrs["error.type"] = type(exc).__qualname__
+    st.span("pglock.lease.keepalive", now, now, attrs, exc, "renewal failed, retrying")
 
 
 def _renew_failed_wrapper(
@@ -396,12 +435,7 @@ def _renew_failed_wrapper(
         st = _state
         if st is not None:
             exc = sys.exc_info()[1]  # called in the renewal's except block
-            now = time.time_ns()
-            attrs = {KIND: kind, **info(self)}
-            if exc is not None:
-                attrs["error.type"] = type(exc).__qualname__
-            st.span("pglock.lease.keepalive", now, now, attrs, exc,
-                    "renewal failed, retrying")
+            _quietly(lambda: _keepalive_span(st, kind, info(self), exc))
         return result
 
     _renew_failed.__wrapped__ = orig  # type: ignore[attr-defined]
@@ -420,26 +454,32 @@ def _campaign_round(st: _State, election: Any, lock: Any, call: Callable[[], Any
     attrs = st.attrs("leader", lambda: election._name)
     start_ns = time.time_ns()
     t0 = time.perf_counter()
-    st.waiters.add(1, attrs)
+    _quietly(lambda: st.waiters.add(1, attrs))
     try:
         won = call()
     except BaseException as exc:
         elapsed = time.perf_counter() - t0
         outcome = "deadlock" if isinstance(exc, DeadlockDetected) else "error"
-        st.wait.record(elapsed, {**attrs, OUTCOME: outcome})
+        _quietly(lambda: st.wait.record(elapsed, {**attrs, OUTCOME: outcome}))
         raise
     finally:
-        st.waiters.add(-1, attrs)
+        _quietly(lambda: st.waiters.add(-1, attrs))
     if won:
         elapsed = time.perf_counter() - t0
-        st.acquisitions.add(1, attrs)
-        st.wait.record(elapsed, {**attrs, OUTCOME: "acquired"})
         election.__dict__[_HOLD] = (time.perf_counter(), attrs)
-        if elapsed >= st.threshold:
-            span_attrs = {KIND: "leader", OUTCOME: "acquired",
-                          **_span_attrs([election._name], [election._key])}
-            st.span("pglock.lock.wait", start_ns, start_ns + int(elapsed * 1e9), span_attrs)
+        _quietly(lambda: _record_win(st, election, attrs, start_ns, elapsed))
     return won
+
+
+def _record_win(
+    st: _State, election: Any, attrs: dict[str, str], start_ns: int, elapsed: float
+) -> None:
+    st.acquisitions.add(1, attrs)
+    st.wait.record(elapsed, {**attrs, OUTCOME: "acquired"})
+    if elapsed >= st.threshold:
+        span_attrs = {KIND: "leader", OUTCOME: "acquired",
+                      **_span_attrs([election._name], [election._key])}
+        st.span("pglock.lock.wait", start_ns, start_ns + int(elapsed * 1e9), span_attrs)
 
 
 def _campaign_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -458,6 +498,12 @@ def _campaign_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
 _STEPPED_DOWN = ("resigned", "the campaign stopped")
 
 
+def _record_leadership(st: _State, hold: tuple[float, dict[str, str]], lost: bool) -> None:
+    st.hold.record(time.perf_counter() - hold[0], hold[1])
+    if lost:
+        st.losses.add(1, hold[1])
+
+
 def _leader_lose_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
     def _lose(self: Any, reason: str, *args: Any, **kwargs: Any) -> Any:
         was_leader = self._leader
@@ -465,9 +511,8 @@ def _leader_lose_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
         st = _state
         hold = self.__dict__.pop(_HOLD, None)
         if st is not None and hold is not None:
-            st.hold.record(time.perf_counter() - hold[0], hold[1])
-            if was_leader and reason not in _STEPPED_DOWN:
-                st.losses.add(1, hold[1])
+            lost = was_leader and reason not in _STEPPED_DOWN
+            _quietly(lambda: _record_leadership(st, hold, lost))
         return result
 
     _lose.__wrapped__ = orig  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@ that long, never bounded above.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ import psycopg
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
@@ -451,6 +452,48 @@ def test_a_raising_name_label_never_fails_the_lock(
     with pglock.pg_lock(conn, name):
         pass
     assert counts(otel.points(), "pglock.lock.acquisitions") == {a("advisory"): 1}
+
+
+class _BrokenProcessor(SpanProcessor):
+    """An application's span processor with a bug: it raises on every span."""
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        raise RuntimeError("a span processor's bug")
+
+    def on_end(self, span: Any) -> None:
+        raise RuntimeError("a span processor's bug")
+
+
+def test_a_failing_span_processor_never_changes_a_locks_outcome(
+    otel: Telemetry, conn: psycopg.Connection[Any], other: psycopg.Connection[Any], name: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    broken = TracerProvider()
+    broken.add_span_processor(_BrokenProcessor())
+    pglock.configure_telemetry(meter_provider=otel.meters, tracer_provider=broken)
+    caplog.set_level(logging.DEBUG, logger="pglock.telemetry")
+    try:
+        lock = pglock.pg_lock(conn, name)
+        assert lock.acquire() is True  # granted and said so, not the processor's error
+        assert lock.locked
+        assert other.execute("SELECT pg_try_advisory_lock(%s)", (pglock.key(name),)).fetchone() \
+            == (False,)
+        # A timeout is still a timeout.
+        with pytest.raises(pglock.LockNotAcquired), pglock.pg_lock(other, name, timeout=0):
+            pass
+        lock.release()
+        assert not lock.locked
+        assert conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+        ).fetchone() == (0,)
+    finally:
+        broken.shutdown()
+    points = otel.points()  # the metrics, recorded before the spans failed, are all there
+    assert counts(points, "pglock.lock.acquisitions") == {a("advisory"): 1}
+    assert counts(points, "pglock.lock.timeouts") == {a("advisory"): 1}
+    failed = [r for r in caplog.records if "recording failed" in r.getMessage()]
+    assert len(failed) == 2 and failed[0].levelno == logging.WARNING
+    assert all(r.levelno == logging.DEBUG for r in failed[1:])
 
 
 def test_span_threshold(otel: Telemetry, conn: psycopg.Connection[Any],
