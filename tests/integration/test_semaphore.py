@@ -314,12 +314,12 @@ def test_lost_permit_is_reported(pool: ConnectionPool[Any], schema: str, name: s
 def test_keepalive_keeps_permits_past_their_ttl(pool: ConnectionPool[Any], schema: str,
                                                 name: str,
                                                 conn: psycopg.Connection[Any]) -> None:
-    sem = pglock.semaphore(pool, name, 1, ttl=0.5, schema=schema)
+    sem = pglock.semaphore(pool, name, 1, ttl=1, schema=schema)
     with sem.hold() as permit:
         first = conn.execute(sql.SQL("SELECT expires_at FROM {}.semaphore_permit"
                                      " WHERE holder = %s").format(sql.Identifier(schema)),
                              (permit.holder,)).fetchone()
-        time.sleep(1.2)  # more than two TTLs
+        time.sleep(2.2)  # more than two TTLs
         permit.check()
         later = conn.execute(sql.SQL("SELECT expires_at FROM {}.semaphore_permit"
                                      " WHERE holder = %s").format(sql.Identifier(schema)),
