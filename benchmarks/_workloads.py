@@ -24,6 +24,7 @@ from ._common import (
     StatementCounter,
     median,
     percentile,
+    pinned,
     rnd,
     trace_round_trips,
     wait_until,
@@ -257,12 +258,14 @@ def workload_a(ctx: Context, adapters: Sequence[Adapter]) -> dict[str, Any]:
             except Exception as exc:
                 rts[a.key] = None
                 ctx.note(f"A: round-trip count for {a.key} failed: {exc!r}")
-        res = alternate(
-            cycles, blocks=s.blocks, per_block=s.cycles_per_block, floor="raw", pairs=A_PAIRS
-        )
+        # Every client has connected by now (the round-trip count ran a cycle on each).
+        with pinned(ctx) as pin:
+            res = alternate(
+                cycles, blocks=s.blocks, per_block=s.cycles_per_block, floor="raw", pairs=A_PAIRS
+            )
     for a in chosen:
         res[a.key].update(label=a.label, group=a.group, round_trips=rts.get(a.key))
-    out: dict[str, Any] = {"floor": "raw", "adapters": res}
+    out: dict[str, Any] = {"floor": "raw", "adapters": res, "pinned": pin}
 
     # Ratios between two adapters go through their own floor-normalized ratios: each was
     # measured next to the floor, not next to the other.

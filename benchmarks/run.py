@@ -85,6 +85,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--tag", default="", help="suffix of the result files: YYYY-MM-DD-TAG.json and .md"
     )
+    p.add_argument(
+        "--pin-cpu",
+        type=int,
+        default=None,
+        metavar="CPU",
+        help="run workload A with this process and its Postgres backends on one CPU (Linux, "
+        "server on this machine, root or the server's user): removes the cross-CPU wakeups "
+        "that make one session 3x slower than another on a small VM",
+    )
     args = p.parse_args(argv)
     wl = {ch for ch in args.workloads.upper() if ch not in ", "}
     bad = wl - set(WORKLOADS)
@@ -344,9 +353,15 @@ def _md_a(w: dict[str, Any]) -> list[str]:
     a = dig(w, "A", "adapters")
     if not a:
         return []
+    pin = dig(w, "A", "pinned")
+    where = (
+        f"; this process and its Postgres backends pinned to CPU {pin['cpu']}"
+        if pin and pin.get("pinned")
+        else "; not pinned: a backend on another CPU than the client is slower (--pin-cpu)"
+    )
     lines = [
         "**A. Uncontended acquire+release** (each adapter in blocks adjacent to blocks of"
-        " the raw floor; ratio = p50 / p50 of those floor blocks)",
+        f" the raw floor; ratio = p50 / p50 of those floor blocks{where})",
         "",
         "| adapter | p50 µs | p99 µs | cycles/s | ratio vs raw | per-round ratio min-med-max "
         "| client CPU µs/cycle | CPU ratio | round trips |",
@@ -617,6 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             app_name=args.application_name,
             settings=settings,
             notes=notes,
+            pin_cpu=args.pin_cpu,
         )
         print(f"scratch database {db} (dropped at the end)", flush=True)
         lease_gap = _leases.missing()

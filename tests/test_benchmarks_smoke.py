@@ -98,6 +98,7 @@ def test_quick_run_writes_results(pg_dsn: str, app_name: str, tmp_path: Path) ->
         assert "error" not in entry, (key, entry)
         assert entry["p50_us"] > 0 and entry["cycles"] > 0
     assert w["A"]["adapters"]["raw"]["ratio"] == 1.0
+    assert w["A"]["pinned"] is None  # --pin-cpu not given
     assert w["A"]["adapters"]["raw"]["round_trips"] == 2.0
     assert w["A"]["xact"]["raw_lock_round_trips"] == 1
     for tag in "BD":
@@ -204,6 +205,46 @@ def test_counters_count_round_trips(bench_ctx: Any) -> None:
             with conn.transaction():
                 conn.execute("SELECT 1")
         assert count() == 4
+
+
+def _may_pin(pid: int) -> bool:
+    """Whether ``pid`` is a postgres process on this machine whose affinity we may set."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"postgres" not in f.read():
+                return False
+        os.sched_setaffinity(pid, os.sched_getaffinity(pid))  # a no-op, if allowed
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_pin_cpu_pins_the_runs_backends_and_puts_everything_back(bench_ctx: Any) -> None:
+    from benchmarks._common import pinned
+
+    with pinned(bench_ctx) as pin:  # not asked for: nothing happens
+        assert pin is None
+    before = os.sched_getaffinity(0)
+    cpu = max(before)
+    with bench_ctx.connect() as a, bench_ctx.connect() as b:
+        pids = [a.info.backend_pid, b.info.backend_pid]
+        may = all(_may_pin(pid) for pid in pids)
+        theirs = {pid: os.sched_getaffinity(pid) for pid in pids} if may else {}
+        bench_ctx.pin_cpu = cpu
+        with pinned(bench_ctx) as pin:
+            if may:
+                assert pin == {"cpu": cpu, "pinned": True, "backends": 2}
+                assert os.sched_getaffinity(0) == {cpu}
+                assert all(os.sched_getaffinity(pid) == {cpu} for pid in pids)
+            else:  # a server elsewhere, or not ours to pin: nothing is, and the run says so
+                assert pin is not None and pin["pinned"] is False, pin
+                assert os.sched_getaffinity(0) == before
+                assert any("--pin-cpu" in n for n in bench_ctx.notes), bench_ctx.notes
+            # Both sessions still work on their pinned backends.
+            assert a.execute("SELECT 1").fetchone() == b.execute("SELECT 1").fetchone() == (1,)
+        assert os.sched_getaffinity(0) == before
+        assert {pid: os.sched_getaffinity(pid) for pid in theirs} == theirs
 
 
 def test_issue13_targets_come_from_the_figures() -> None:
