@@ -116,7 +116,7 @@ class Context:
     settings: Settings
     redis_skip: str | None = None  # why the Redis peers are skipped, if they are
     notes: list[str] = field(default_factory=list)
-    pin_cpu: int | None = None  # --pin-cpu: workload A's client and backends on this CPU
+    pin_cpu: int | None = None  # --pin-cpu: A's and G's client and backends on this CPU
 
     def connect(
         self, *, autocommit: bool = True, dsn: str | None = None

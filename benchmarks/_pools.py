@@ -14,7 +14,7 @@ from typing import Any
 import pglock
 
 from ._adapters import sha256_key
-from ._common import Context, rnd
+from ._common import Context, pinned, rnd
 from ._workloads import alternate, count_round_trips
 
 
@@ -91,13 +91,17 @@ def workload_g(ctx: Context) -> dict[str, Any]:
             "checkout": checkout(pools["plain"]),
             "checkout+reset_connection": checkout(pools["reset"]),
         }
-        res = alternate(
-            cycles,
-            blocks=s.blocks,
-            per_block=s.cycles_per_block,
-            floor="checkout+raw",
-            pairs=[("pool_lock (tx pool)", "checkout+raw (tx pool)")],
-        )
+        for pool in pools.values():
+            pool.wait()  # each pool's one connection is open: its backend can be pinned
+        with pinned(ctx) as pin:
+            res = alternate(
+                cycles,
+                blocks=s.blocks,
+                per_block=s.cycles_per_block,
+                floor="checkout+raw",
+                pairs=[("pool_lock (tx pool)", "checkout+raw (tx pool)")],
+            )
+        out["pinned"] = pin
         for (key, f), pool in zip(cycles.items(), pools.values(), strict=True):
             if "error" not in res[key]:
                 # The pool's one connection, traced by libpq: exact, whatever pglock calls.

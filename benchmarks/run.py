@@ -90,9 +90,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         metavar="CPU",
-        help="run workload A with this process and its Postgres backends on one CPU (Linux, "
-        "server on this machine, root or the server's user): removes the cross-CPU wakeups "
-        "that make one session 3x slower than another on a small VM",
+        help="run workloads A and G with this process and their Postgres backends on one CPU "
+        "(Linux, server on this machine, root or the server's user): removes the cross-CPU "
+        "wakeups that make one session 3x slower than another on a small VM",
     )
     args = p.parse_args(argv)
     wl = {ch for ch in args.workloads.upper() if ch not in ", "}
@@ -349,19 +349,21 @@ def _fmt(v: Any, suffix: str = "") -> str:
     return f"{v}{suffix}"
 
 
+def _where(w: dict[str, Any], tag: str) -> str:
+    """What the workload's table header says of --pin-cpu."""
+    pin = dig(w, tag, "pinned")
+    if pin and pin.get("pinned"):
+        return f"; this process and its Postgres backends pinned to CPU {pin['cpu']}"
+    return "; not pinned: a backend on another CPU than the client is slower (--pin-cpu)"
+
+
 def _md_a(w: dict[str, Any]) -> list[str]:
     a = dig(w, "A", "adapters")
     if not a:
         return []
-    pin = dig(w, "A", "pinned")
-    where = (
-        f"; this process and its Postgres backends pinned to CPU {pin['cpu']}"
-        if pin and pin.get("pinned")
-        else "; not pinned: a backend on another CPU than the client is slower (--pin-cpu)"
-    )
     lines = [
         "**A. Uncontended acquire+release** (each adapter in blocks adjacent to blocks of"
-        f" the raw floor; ratio = p50 / p50 of those floor blocks{where})",
+        f" the raw floor; ratio = p50 / p50 of those floor blocks{_where(w, 'A')})",
         "",
         "| adapter | p50 µs | p99 µs | cycles/s | ratio vs raw | per-round ratio min-med-max "
         "| client CPU µs/cycle | CPU ratio | round trips |",
@@ -496,7 +498,7 @@ def _md_g(w: dict[str, Any]) -> list[str]:
     if not g:
         return []
     lines = [
-        "**G. Pools** (pool of one connection; alternating blocks)",
+        f"**G. Pools** (pool of one connection; alternating blocks{_where(w, 'G')})",
         "",
         "| cycle | p50 µs | p99 µs | ratio vs checkout+raw | client CPU µs | round trips |",
         "|---|---:|---:|---:|---:|---:|",

@@ -98,7 +98,7 @@ def test_quick_run_writes_results(pg_dsn: str, app_name: str, tmp_path: Path) ->
         assert "error" not in entry, (key, entry)
         assert entry["p50_us"] > 0 and entry["cycles"] > 0
     assert w["A"]["adapters"]["raw"]["ratio"] == 1.0
-    assert w["A"]["pinned"] is None  # --pin-cpu not given
+    assert w["A"]["pinned"] is None and w["G"].get("pinned") is None  # --pin-cpu not given
     assert w["A"]["adapters"]["raw"]["round_trips"] == 2.0
     assert w["A"]["xact"]["raw_lock_round_trips"] == 1
     for tag in "BD":
