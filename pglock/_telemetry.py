@@ -314,18 +314,19 @@ def _held(st: _State, obj: Any) -> tuple[float, dict[str, str]] | None:
     return hold  # type: ignore[no-any-return]
 
 
-_failed_once: list[bool] = []
+_failed_before = False
 
 
 def _quietly(record: Callable[[], object]) -> None:
     """Run ``record()``, a recording: telemetry never changes what a lock call returns or
     raises, nor leaves a lock held behind an error of its own. An error of the SDK, or of a
     span processor or exporter of the application's, is logged (the first at WARNING)."""
+    global _failed_before
     try:
         record()
     except Exception:
-        level = logging.DEBUG if _failed_once else logging.WARNING
-        _failed_once.append(True)
+        level = logging.DEBUG if _failed_before else logging.WARNING
+        _failed_before = True
         logger.log(level, "pglock telemetry: recording failed (the lock is unaffected)",
                    exc_info=True)
 
