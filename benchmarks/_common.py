@@ -136,9 +136,10 @@ class Context:
 
 @contextlib.contextmanager
 def pinned(ctx: Context) -> Iterator[dict[str, Any] | None]:
-    """Run the body with this process and the server backends of the run's sessions (those
-    with its application_name in the scratch database, connected by now) on ``ctx.pin_cpu``,
-    or as they are when that is None. Yields what was pinned, for the results.
+    """Run the body with the calling thread (the one that runs the cycles) and the server
+    backends of the run's sessions (those with its application_name in the scratch database,
+    connected by now) on ``ctx.pin_cpu``, or as they are when that is None. Yields what was
+    pinned, for the results.
 
     Why: on a small virtual machine a round trip between a client and a backend on different
     CPUs costs a cross-CPU wakeup each way; on this 2-CPU machine a raw lock/unlock cycle took

@@ -90,9 +90,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         metavar="CPU",
-        help="run workloads A and G with this process and their Postgres backends on one CPU "
-        "(Linux, server on this machine, root or the server's user): removes the cross-CPU "
-        "wakeups that make one session 3x slower than another on a small VM",
+        help="run workloads A and G with the benchmark thread and their Postgres backends on "
+        "one CPU (Linux, server on this machine, root or the server's user): removes the "
+        "cross-CPU wakeups that make one session 3x slower than another on a small VM",
     )
     args = p.parse_args(argv)
     wl = {ch for ch in args.workloads.upper() if ch not in ", "}
@@ -100,6 +100,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if bad:
         p.error(f"unknown workload(s) {sorted(bad)}; choose from {','.join(WORKLOADS)}")
     args.workloads = "".join(w for w in WORKLOADS if w in wl)
+    if args.pin_cpu is not None:
+        if not hasattr(os, "sched_setaffinity"):
+            p.error("--pin-cpu needs Linux (os.sched_setaffinity)")
+        if args.pin_cpu not in os.sched_getaffinity(0):
+            p.error(f"--pin-cpu {args.pin_cpu}: this process may run on CPUs "
+                    f"{sorted(os.sched_getaffinity(0))} only")
     return args
 
 
@@ -353,7 +359,7 @@ def _where(w: dict[str, Any], tag: str) -> str:
     """What the workload's table header says of --pin-cpu."""
     pin = dig(w, tag, "pinned")
     if pin and pin.get("pinned"):
-        return f"; this process and its Postgres backends pinned to CPU {pin['cpu']}"
+        return f"; the benchmark thread and its Postgres backends pinned to CPU {pin['cpu']}"
     return "; not pinned: a backend on another CPU than the client is slower (--pin-cpu)"
 
 

@@ -247,6 +247,19 @@ def test_pin_cpu_pins_the_runs_backends_and_puts_everything_back(bench_ctx: Any)
         assert {pid: os.sched_getaffinity(pid) for pid in theirs} == theirs
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_pin_cpu_refuses_a_cpu_this_process_cannot_use(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.run import parse_args
+
+    allowed = os.sched_getaffinity(0)
+    assert parse_args(["--pin-cpu", str(min(allowed))]).pin_cpu == min(allowed)
+    for bad in (-1, max(allowed) + 1):
+        with pytest.raises(SystemExit) as ei:  # before any connection is made
+            parse_args(["--pin-cpu", str(bad)])
+        assert ei.value.code == 2
+        assert f"--pin-cpu {bad}: this process may run on CPUs" in capsys.readouterr().err
+
+
 def test_issue13_targets_come_from_the_figures() -> None:
     from benchmarks import _targets
 
