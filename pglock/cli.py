@@ -203,6 +203,7 @@ def status_snapshot(conn: Any, names: list[str] | None, schema: str) -> dict[str
     installed or not readable (42501) is None with an entry in ``errors``; the advisory locks
     need no grant, so their errors propagate."""
     c = _conn.resolve(conn, "pglock status").conn
+    _conn.check_usable(c)
     with _conn.utf8(c):
         header = _conn.fetch(c, _sql.status_header(schema), binary=True, alone=True)[0][0]
         return _snapshot(conn, names, schema, header)
