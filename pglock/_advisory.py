@@ -365,18 +365,13 @@ def _session_attempt(
             raise _conn.pooler_error(state, pooler)
         return _pooled_session_lock(conn, state, status, keys, ctx, shared=shared, timeout=timeout)
     try_ = timeout == 0
-    stmt = _session_batch(
-        conn, status, keys, shared=shared, try_=try_, limit=wait_limit(timeout, state)
-    )
     registering = _registry.pending(
         conn, state, ctx.keys, ctx.names, own_transaction=status != INTRANS
     )
-    if registering:
-        # Names to record (pglock._registry): in the same round trip, after the lock statement
-        # (see pglock._registry for why that order).
-        if stmt is None:
-            stmt = _sql.lock(keys, shared=shared, xact=False, try_=try_)
-        stmt = sql.SQL("; ").join([stmt, _registry.statement(registering)])
+    stmt = _session_batch(
+        conn, status, keys, shared=shared, try_=try_, limit=wait_limit(timeout, state),
+        registering=registering,
+    )
     try:
         if stmt is None:  # the common case: no timeout, no caller's transaction
             res = _lock_statement(conn, state, keys, ctx, shared=shared, try_=try_)
@@ -424,16 +419,13 @@ def _pooled_session_lock(
     try_ = timeout == 0
     mark = _conn.client_mark(conn)
     query, params = _sql.POOLED_LOCK[(shared, try_)], (keys, state.backend_pid, mark)
-    stmt = _session_batch(
-        conn, status, keys, shared=shared, try_=try_, limit=wait_limit(timeout, state),
-        lock=_sql.with_literals(query, params),
-    )
     registering = _registry.pending(
         conn, state, ctx.keys, ctx.names, own_transaction=status != INTRANS
     )
-    if registering:
-        stmt = sql.SQL("; ").join([stmt or _sql.with_literals(query, params),
-                                   _registry.statement(registering)])
+    stmt = _session_batch(
+        conn, status, keys, shared=shared, try_=try_, limit=wait_limit(timeout, state),
+        registering=registering, lock=_sql.with_literals(query, params),
+    )
     try:
         # The statement alone is not prepared (a pooler may not keep it).
         if stmt is None:
@@ -526,28 +518,28 @@ def _pooled_unlock_sql(
 
 def _session_batch(
     conn: psycopg.Connection[Any], status: Any, keys: list[int], *, shared: bool, try_: bool,
-    limit: int | None, lock: sql.Composed | None = None,
+    limit: int | None, registering: _registry.Registration, lock: sql.Composed | None = None,
 ) -> sql.Composed | None:
     """The batch a session-lock attempt sends (around ``lock``, by default the plain lock
-    statement); None for the lock statement alone (no timeout to set, no caller's
-    transaction)."""
-    if status != INTRANS and limit is None:
+    statement): with its timeouts, in the caller's transaction, with names to record
+    (pglock._registry: after the lock statement, see there why); None for the lock statement
+    alone (none of these)."""
+    record = [_registry.statement(registering)] if registering else []
+    if status != INTRANS and limit is None and not record:
         return None
     lock = lock or _sql.lock(keys, shared=shared, xact=False, try_=try_)
+    timeouts: list[sql.Composable] = []
+    if limit is not None:
+        timeouts.append(_sql.set_local_timeouts(limit, several=len(keys) > 1))
     if status == INTRANS:
         # In the caller's transaction: a savepoint keeps it usable if the attempt fails, and
         # rolling back to it undoes SET LOCAL; session locks survive the rollback.
-        parts: list[sql.Composable] = [_sql.savepoint()]
-        if limit is not None:
-            parts.append(_sql.set_local_timeouts(limit, several=len(keys) > 1))
-        parts += [lock, _sql.rollback_to_savepoint()]
-        return sql.SQL("; ").join(parts)
-    assert limit is not None
-    # A transaction of pglock's own, begun and ended in this one message (see _conn.call).
-    parts = [
-        sql.SQL("BEGIN"), _sql.set_local_timeouts(limit, several=len(keys) > 1), lock,
-        sql.SQL("COMMIT"),
-    ]
+        parts = [_sql.savepoint(), *timeouts, lock, _sql.rollback_to_savepoint(), *record]
+    else:
+        # A transaction of pglock's own, begun and ended in this one message (see _conn.call),
+        # READ COMMITTED and READ WRITE whatever the session's defaults (the registry records
+        # names in neither a SERIALIZABLE nor a read-only one).
+        parts = [_sql.OWN_BEGIN, *timeouts, lock, *record, sql.SQL("COMMIT")]
     return sql.SQL("; ").join(parts)
 
 

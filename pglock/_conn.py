@@ -24,10 +24,12 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg import generators, sql
+from psycopg.abc import AdaptContext
 from psycopg.adapt import AdaptersMap
 from psycopg.pq import ConnStatus, DiagnosticField, ExecStatus, Format, TransactionStatus
 from psycopg.pq.abc import PGresult
 from psycopg.rows import tuple_row
+from psycopg.types.string import TextBinaryLoader, TextLoader
 
 from . import _sql
 from ._classify import HELD, Kind, check_driver, classify
@@ -247,9 +249,25 @@ class _ClientCursor(_OwnAdapters, psycopg.ClientCursor[tuple[Any, ...]]):
     __slots__ = ()
 
 
+class _TextLoader(TextLoader):
+    """Text in the connection's encoding; under SQL_ASCII (no conversion at all, which psycopg
+    leaves as bytes) as UTF-8, the encoding of what pglock stores."""
+
+    def __init__(self, oid: int, context: AdaptContext | None = None) -> None:
+        super().__init__(oid, context)
+        self._encoding = self._encoding or "utf-8"
+
+
+class _TextBinaryLoader(_TextLoader, TextBinaryLoader):
+    pass
+
+
 #: psycopg's default adapters at import, never a caller's (one that loads ``bool`` as text
 #: would turn every refusal into a grant).
 _ADAPTERS = AdaptersMap(psycopg.adapters)
+for _t in ("text", "varchar", "name", "bpchar"):
+    _ADAPTERS.register_loader(_t, _TextLoader)
+    _ADAPTERS.register_loader(_t, _TextBinaryLoader)
 
 
 def cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[tuple[Any, ...]]:

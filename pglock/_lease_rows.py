@@ -224,6 +224,11 @@ def fence(
     try:
         with _conn.utf8(pg, begin=True):
             found = _conn.fetch(pg, stmt("guard", schema), (name, holder, token))
+    except psycopg.errors.ReadOnlySqlTransaction as exc:
+        raise InvalidConnectionState(
+            "guard() locks the lease's row until the transaction ends, which a read-only "
+            "transaction cannot (default_transaction_read_only?): begin it READ WRITE"
+        ) from exc
     except psycopg.Error as exc:
         _ttl.raise_translated(exc, pg, schema)
     if found[0] and found[0][0][0]:

@@ -16,6 +16,9 @@ from ._contract import DEFAULT_SCHEMA, NAMES_MARKER, NAMES_TABLE
 
 SAVEPOINT_NAME = sql.Identifier("_pglock_acquire")
 
+#: A transaction of pglock's own on a caller's connection: its isolation whatever the session's.
+OWN_BEGIN = sql.SQL("BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE")
+
 # (transaction-level, shared, try) -> Postgres function
 _LOCK_FUNCS = {
     (False, False, False): "pg_advisory_lock",
@@ -339,11 +342,14 @@ def with_literals(query: bytes, params: Sequence[int | Sequence[int]]) -> sql.Co
 def set_local_timeouts(timeout_ms: int, *, several: bool) -> sql.Composed:
     """Bound the next statement's lock waits, and for ``several`` keys the statement itself. The
     caller's ``statement_timeout`` is always replaced: for one key by 0, since until pglock
-    restores it, it would also bound pglock's own statements after the grant."""
+    restores it, it would also bound pglock's own statements after the grant. A session's
+    ``exit_on_error`` would end the whole session (and every lock of it) when the wait runs out:
+    off meanwhile."""
     value = sql.Literal(f"{timeout_ms}ms")
-    return sql.SQL("SET LOCAL lock_timeout = {}; SET LOCAL statement_timeout = {}").format(
-        value, value if several else sql.Literal("0")
-    )
+    return sql.SQL(
+        "SET LOCAL lock_timeout = {}; SET LOCAL statement_timeout = {}; "
+        "SET LOCAL exit_on_error = off"
+    ).format(value, value if several else sql.Literal("0"))
 
 
 def _savepoint(query: str) -> sql.Composed:
@@ -355,16 +361,22 @@ rollback_to_savepoint = partial(_savepoint, "ROLLBACK TO SAVEPOINT {0}; RELEASE 
 release_savepoint = partial(_savepoint, "RELEASE SAVEPOINT {}")
 
 
-def current_timeouts() -> sql.Composed:
-    return sql.SQL(
-        "SELECT current_setting('lock_timeout'), current_setting('statement_timeout')"
-    ).format()
+#: The settings :func:`set_local_timeouts` changes, which a batch in the caller's transaction
+#: reads first and restores after (:func:`restore_settings`).
+_TIMED = ("lock_timeout", "statement_timeout", "exit_on_error")
 
 
-def restore_timeouts(lock_timeout: str, statement_timeout: str) -> sql.Composed:
-    return sql.SQL(
-        "SELECT set_config('lock_timeout', {}, true), set_config('statement_timeout', {}, true)"
-    ).format(sql.Literal(lock_timeout), sql.Literal(statement_timeout))
+def current_settings() -> sql.Composed:
+    return sql.SQL("SELECT {}").format(sql.SQL(", ").join(
+        sql.SQL("pg_catalog.current_setting({})").format(sql.Literal(n)) for n in _TIMED
+    ))
+
+
+def restore_settings(values: Sequence[str]) -> sql.Composed:
+    return sql.SQL("SELECT {}").format(sql.SQL(", ").join(
+        sql.SQL("pg_catalog.set_config({}, {}, true)").format(sql.Literal(n), sql.Literal(v))
+        for n, v in zip(_TIMED, values, strict=True)
+    ))
 
 
 def held_advisory(keys: Sequence[int], *, shared: bool) -> sql.Composed:

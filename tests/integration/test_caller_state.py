@@ -53,20 +53,25 @@ def db(pg_dsn: str) -> Iterator[str]:
 class World:
     """An observer, a rival session, a lease held elsewhere, and the test's connections."""
 
-    def __init__(self, db: str, app_name: str, name: str) -> None:
+    def __init__(self, db: str, app_name: str, name: str, *, shutdown: bool = True) -> None:
         self.dsn = with_params(db, application_name=app_name)
         self.app_name = app_name
         self.name = name
+        self.shutdown = shutdown
         self.stack = contextlib.ExitStack()
         self.obs = self.connect(autocommit=True)
-        self.lease = pglock.lease(self.dsn, name + ":lease", ttl=30)
+        # TTLs of 25.5 s: a number rounded to one digit (extra_float_digits = -15) reads 30.
+        self.lease = pglock.lease(self.dsn, name + ":lease", ttl=25.5)
         self.lease.acquire()
         self.stack.callback(self.lease.release)
-        self.semaphore = pglock.semaphore(self.dsn, name + ":sem", 2, ttl=30)
+        self.semaphore = pglock.semaphore(self.dsn, name + ":sem", 2, ttl=25.5)
         self.permit = self.stack.enter_context(self.semaphore.hold())
 
     def connect(self, **kw: Any) -> psycopg.Connection[Any]:
-        c = psycopg.connect(self.dsn, **kw)
+        return self.connect_to(self.dsn, **kw)
+
+    def connect_to(self, dsn: str, **kw: Any) -> psycopg.Connection[Any]:
+        c = psycopg.connect(dsn, **kw)
         self.stack.callback(c.close)
         return c
 
@@ -82,6 +87,15 @@ class World:
         rows = self.obs.execute("SELECT id FROM written WHERE id = ANY(%s)", (ids,)).fetchall()
         return sorted(i for (i,) in rows)
 
+    def expiry(self, table: str, where: str, name: str, holder: str) -> tuple[Any, float]:
+        """(expires_at, seconds left) of a lease or permit, as the observer reads them."""
+        row = self.obs.execute(
+            f"SELECT expires_at, extract(epoch FROM expires_at - clock_timestamp())::float8"
+            f" FROM pglock.{table} WHERE {where} = %s AND holder = %s", (name, holder)
+        ).fetchone()
+        assert row is not None
+        return row[0], row[1]
+
     def activity(self, pid: int) -> tuple[Any, ...]:
         row = self.obs.execute(
             "SELECT query, state_change, xact_start FROM pg_stat_activity WHERE pid = %s", (pid,)
@@ -93,7 +107,8 @@ class World:
         try:
             self.stack.close()
         finally:
-            _lease.shutdown()
+            if self.shutdown:
+                _lease.shutdown()
 
 
 @pytest.fixture
@@ -157,6 +172,9 @@ def _guard(w: World, c: psycopg.Connection[Any]) -> None:
 def _lease_info(w: World, c: psycopg.Connection[Any]) -> None:
     info = pglock.lease_info(c, w.name + ":lease")
     assert info is not None and (info.holder, info.token) == (w.lease.holder, w.lease.token)
+    expires_at, left = w.expiry("lease", "name", info.name, info.holder)
+    assert info.expires_at == expires_at
+    assert abs(info.expires_in - left) < 1.0  # read a moment apart; not rounded
 
 
 def _list_leases(w: World, c: psycopg.Connection[Any]) -> None:
@@ -176,6 +194,10 @@ def _semaphores(w: World, c: psycopg.Connection[Any]) -> None:
     found = pglock.semaphores(c, w.name + ":sem")
     assert [(s.limit, s.held) for s in found] == [(2, 1)]
     assert [h.holder for h in found[0].holders] == [w.permit.holder]
+    h = found[0].holders[0]
+    expires_at, left = w.expiry("semaphore_permit", "semaphore", w.name + ":sem", h.holder)
+    assert h.expires_at == expires_at
+    assert abs(h.expires_in - left) < 1.0  # read a moment apart; not rounded
 
 
 def _status(w: World, c: psycopg.Connection[Any]) -> None:
