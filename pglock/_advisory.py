@@ -47,13 +47,11 @@ def cut_short(conn: psycopg.Connection[Any], state: ConnState, timeout: float | 
     if timeout is not None or state.session_timeouts or conn.closed or conn.broken:
         return False
     try:
-        rows = in_own_transaction(
-            conn, _conn.stable_status(conn), lambda: _conn.run(conn, _sql.SESSION_TIMEOUTS)
-        )
+        timeouts = _conn.truth(_conn.call(conn, _sql.SESSION_TIMEOUTS.encode()))
     except (psycopg.Error, LockError):
         logger.debug("could not read the session's timeouts", exc_info=True)
         return False
-    if not (rows and rows[0][0]):
+    if not timeouts:
         return False
     state.session_timeouts = True
     logger.debug("the session's own statement_timeout/lock_timeout cut a wait short: retrying")
@@ -163,6 +161,9 @@ class PgLock(BaseLock):
             owner = self._owner
             if owner is None:
                 raise RuntimeError(f"release of an unlocked pg_lock {self._names!r}")
+            conn = self._target.conn
+            if not (conn.closed or conn.broken):
+                _conn.no_pipeline(conn)  # refused before anything changes: still held
             self._owner = None
             state, self._state = self._state, None
             if state is not None and state.lost is not None:
@@ -268,38 +269,12 @@ def undo_savepoint(conn: psycopg.Connection[Any]) -> None:
         logger.warning("could not roll back to pglock's savepoint", exc_info=True)
 
 
-def in_own_transaction(conn: psycopg.Connection[Any], status: Any, fn: Callable[[], _T]) -> _T:
-    """Run ``fn`` so that an idle non-autocommit connection is idle again afterwards."""
-    if status == IDLE and not conn.autocommit:
-        try:
-            result = fn()
-        except BaseException:
-            _safe_rollback(conn)
-            raise
-        conn.commit()
-        return result
-    return fn()
-
-
-def _safe_rollback(conn: psycopg.Connection[Any]) -> None:
-    if conn.closed or conn.broken:
-        return
-    try:
-        if conn.autocommit:
-            if conn.info.transaction_status != IDLE:
-                _conn.fetch(conn, b"ROLLBACK")
-        else:
-            conn.rollback()
-    except psycopg.Error:
-        logger.debug("rollback after a failed attempt failed", exc_info=True)
-
-
 def housekeeping(conn: psycopg.Connection[Any], state: ConnState, ctx: Context) -> None:
     """Send the unlocks deferred by a failed transaction, and probe the server once."""
     if state.deferred:
         pending, state.deferred = state.deferred, []
         for k, shared in pending:
-            _conn.run(conn, _sql.unlock([k], shared=shared))
+            _conn.call(conn, _sql.UNLOCK_ONE[shared], (k,))
         logger.info("released %d deferred advisory lock(s)", len(pending))
     if not state.probed:
         _conn.probe(conn, state, ctx)
@@ -351,52 +326,69 @@ def acquire(
     return granted
 
 
+#: How many times an attempt is built again when another thread sharing the connection began
+#: or ended a transaction between building the attempt and sending it.
+_REBUILDS = 8
+
+
 def _session_lock(
     conn: psycopg.Connection[Any], state: ConnState, keys: list[int], ctx: Context, *,
     shared: bool, timeout: float | None, pooler: str = "auto",
 ) -> bool:
-    status = _conn.check_usable(conn)
-    if pooler == "transaction" or state.sharing is not None:
-        raise _conn.pooler_error(state, pooler)
+    for _ in range(_REBUILDS):
+        status = _conn.check_usable(conn)
+        if pooler == "transaction" or state.sharing is not None:
+            raise _conn.pooler_error(state, pooler)
+        try:
+            return _session_attempt(
+                conn, state, status, keys, dataclasses.replace(ctx, expect=status),
+                shared=shared, timeout=timeout, pooler=pooler,
+            )
+        except _conn.StatusChanged:
+            continue
+    raise InvalidConnectionState(
+        "other threads kept beginning and ending transactions on this connection while pglock "
+        "built its lock statement; give each thread a connection of its own"
+    )
+
+
+def _session_attempt(
+    conn: psycopg.Connection[Any], state: ConnState, status: Any, keys: list[int], ctx: Context,
+    *, shared: bool, timeout: float | None, pooler: str,
+) -> bool:
+    """One attempt, built for the transaction status ``status`` (``ctx.expect``)."""
     if state.deferred or not state.probed:
-        quiet = dataclasses.replace(ctx, flight=None)  # close() cancels the lock statement only
-        in_own_transaction(conn, status, lambda: housekeeping(conn, state, quiet))
+        # close() cancels the lock statement only; these run in any status
+        housekeeping(conn, state, dataclasses.replace(ctx, flight=None, expect=None))
     if state.pooler and pooler != "none":
         if pooler != "session":
             raise _conn.pooler_error(state, pooler)
         return _pooled_session_lock(conn, state, status, keys, ctx, shared=shared, timeout=timeout)
     try_ = timeout == 0
-    stmt = _session_batch(
-        conn, status, keys, shared=shared, try_=try_, limit=wait_limit(timeout, state)
-    )
     registering = _registry.pending(
         conn, state, ctx.keys, ctx.names, own_transaction=status != INTRANS
     )
-    if registering:
-        # Names to record (pglock._registry): in the same round trip, after the lock statement
-        # (see pglock._registry for why that order).
-        if stmt is None:
-            stmt = _sql.lock(keys, shared=shared, xact=False, try_=try_)
-        stmt = sql.SQL("; ").join([stmt, _registry.statement(registering)])
-
+    stmt = _session_batch(
+        conn, status, keys, shared=shared, try_=try_, limit=wait_limit(timeout, state),
+        registering=registering,
+    )
     try:
         if stmt is None:  # the common case: no timeout, no caller's transaction
             res = _lock_statement(conn, state, keys, ctx, shared=shared, try_=try_)
-            if status == IDLE and conn.pgconn.transaction_status == INTRANS:
-                conn.commit()  # begun by psycopg's cursor (see _conn.call)
-            if not try_:
-                return True
-            rows = [(keys[0], _conn.truth(res))] if len(keys) == 1 else _conn.pairs(res)
         else:
-            rows = _conn.run(conn, stmt, ctx)
-            if status == IDLE and not conn.autocommit:
-                conn.commit()
+            res = _conn.call(conn, stmt.as_bytes(conn), (), ctx)
         _registry.mark(conn, registering)
+    except _conn.StatusChanged:
+        raise
     except BaseException as exc:
         return _failed_attempt(
             conn, state, status, keys, ctx, exc, shared=shared, timeout=timeout, pooler=pooler
         )
-    return not try_ or _all_or_nothing(conn, status, rows, keys, shared)
+    if not try_:
+        return True
+    single = stmt is None and len(keys) == 1
+    rows = [(keys[0], _conn.truth(res))] if single else _conn.pairs(res)
+    return _all_or_nothing(conn, rows, keys, shared)
 
 
 def _failed_attempt(
@@ -427,23 +419,22 @@ def _pooled_session_lock(
     try_ = timeout == 0
     mark = _conn.client_mark(conn)
     query, params = _sql.POOLED_LOCK[(shared, try_)], (keys, state.backend_pid, mark)
-    stmt = _session_batch(
-        conn, status, keys, shared=shared, try_=try_, limit=wait_limit(timeout, state),
-        lock=_sql.with_literals(query, params),
-    )
     registering = _registry.pending(
         conn, state, ctx.keys, ctx.names, own_transaction=status != INTRANS
     )
-    if registering:
-        stmt = sql.SQL("; ").join([stmt or _sql.with_literals(query, params),
-                                   _registry.statement(registering)])
+    stmt = _session_batch(
+        conn, status, keys, shared=shared, try_=try_, limit=wait_limit(timeout, state),
+        registering=registering, lock=_sql.with_literals(query, params),
+    )
     try:
-        if stmt is None:  # the statement alone, not prepared (a pooler may not keep it)
-            row = _pooled_row(_conn.call(conn, query, params, ctx))
+        # The statement alone is not prepared (a pooler may not keep it).
+        if stmt is None:
+            res = _conn.call(conn, query, params, ctx)
         else:
-            row = _conn.run(conn, stmt, ctx)[0]
-        if status == IDLE and not conn.autocommit:
-            conn.commit()
+            res = _conn.call(conn, stmt.as_bytes(conn), (), ctx)
+        row = _pooled_row(res)
+    except _conn.StatusChanged:
+        raise
     except BaseException as exc:
         return _failed_attempt(
             conn, state, status, keys, ctx, exc, shared=shared, timeout=timeout, pooler="session"
@@ -456,7 +447,7 @@ def _pooled_session_lock(
     if not try_:
         return True
     rows = [(k, g == "t") for k, g in zip(keys, grants, strict=True)]
-    return _all_or_nothing(conn, status, rows, keys, shared, (state, mark))
+    return _all_or_nothing(conn, rows, keys, shared, (state, mark))
 
 
 def _pooled_row(res: Any) -> tuple[int, str, Any]:
@@ -502,8 +493,8 @@ def _lock_statement(
 
 
 def _all_or_nothing(
-    conn: psycopg.Connection[Any], status: Any, rows: list[tuple[Any, ...]], keys: list[int],
-    shared: bool, pooled: tuple[ConnState, int] | None = None,
+    conn: psycopg.Connection[Any], rows: list[tuple[Any, ...]], keys: list[int], shared: bool,
+    pooled: tuple[ConnState, int] | None = None,
 ) -> bool:
     """After a try-lock: True if every key was granted, else give back those that were (with
     the sharing checks when ``pooled``: the connection's state and mark)."""
@@ -514,7 +505,7 @@ def _all_or_nothing(
         unlock = _sql.unlock(got, shared=shared) if pooled is None else _pooled_unlock_sql(
             *pooled, got, shared
         )
-        in_own_transaction(conn, status, lambda: _conn.run(conn, unlock))
+        _conn.call(conn, unlock.as_bytes(conn))
     return False
 
 
@@ -527,26 +518,28 @@ def _pooled_unlock_sql(
 
 def _session_batch(
     conn: psycopg.Connection[Any], status: Any, keys: list[int], *, shared: bool, try_: bool,
-    limit: int | None, lock: sql.Composed | None = None,
+    limit: int | None, registering: _registry.Registration, lock: sql.Composed | None = None,
 ) -> sql.Composed | None:
     """The batch a session-lock attempt sends (around ``lock``, by default the plain lock
-    statement); None for the lock statement alone (no timeout to set, no caller's
-    transaction)."""
-    if status != INTRANS and limit is None:
+    statement): with its timeouts, in the caller's transaction, with names to record
+    (pglock._registry: after the lock statement, see there why); None for the lock statement
+    alone (none of these)."""
+    record = [_registry.statement(registering)] if registering else []
+    if status != INTRANS and limit is None and not record:
         return None
     lock = lock or _sql.lock(keys, shared=shared, xact=False, try_=try_)
+    timeouts: list[sql.Composable] = []
+    if limit is not None:
+        timeouts.append(_sql.set_local_timeouts(limit, several=len(keys) > 1))
     if status == INTRANS:
         # In the caller's transaction: a savepoint keeps it usable if the attempt fails, and
         # rolling back to it undoes SET LOCAL; session locks survive the rollback.
-        parts: list[sql.Composable] = [_sql.savepoint()]
-        if limit is not None:
-            parts.append(_sql.set_local_timeouts(limit, several=len(keys) > 1))
-        parts += [lock, _sql.rollback_to_savepoint()]
-        return sql.SQL("; ").join(parts)
-    assert limit is not None
-    parts = [_sql.set_local_timeouts(limit, several=len(keys) > 1), lock]
-    if conn.autocommit:
-        parts = [sql.SQL("BEGIN"), *parts, sql.SQL("COMMIT")]
+        parts = [_sql.savepoint(), *timeouts, lock, _sql.rollback_to_savepoint(), *record]
+    else:
+        # A transaction of pglock's own, begun and ended in this one message (see _conn.call),
+        # READ COMMITTED and READ WRITE whatever the session's defaults (the registry records
+        # names in neither a SERIALIZABLE nor a read-only one).
+        parts = [_sql.OWN_BEGIN, *timeouts, lock, *record, sql.SQL("COMMIT")]
     return sql.SQL("; ").join(parts)
 
 
@@ -559,19 +552,15 @@ def _after_failed_session_lock(
     if conn.closed or conn.broken:
         return  # the session is gone, and its locks with it
     try:
-        if status == INTRANS:
-            # The batch stopped inside pglock's savepoint (on success it is already gone).
-            if conn.info.transaction_status == INERROR:
-                _conn.run(conn, _sql.rollback_to_savepoint())
-        else:
-            _safe_rollback(conn)
-        unlock = _sql.unlock_if_held(keys, shared=shared)
-        undone = in_own_transaction(
-            conn, conn.info.transaction_status, lambda: _conn.run(conn, unlock)
-        )
-        if undone:
-            logger.debug("undid %d lock(s) granted to a failed attempt", len(undone))
-    except (psycopg.Error, LockError):
+        if _conn.stable_status(conn) == INERROR:
+            # The batch stopped inside pglock's savepoint (on success it is already gone), or
+            # in pglock's own transaction (an interrupt: _conn.call could not end it).
+            end = _sql.rollback_to_savepoint() if status == INTRANS else sql.SQL("ROLLBACK")
+            _conn.run(conn, end, Context(expect=INERROR))
+        undone = _conn.call(conn, _sql.unlock_if_held(keys, shared=shared).as_bytes(conn))
+        if undone.ntuples:
+            logger.debug("undid %d lock(s) granted to a failed attempt", undone.ntuples)
+    except (psycopg.Error, LockError, _conn.StatusChanged):
         # Never replace the error that made the attempt fail with one from the clean-up.
         logger.warning("could not clean up after a failed lock attempt", exc_info=True)
 
@@ -640,7 +629,7 @@ def _session_unlock(
         return ok
 
     try:
-        ok = unlock_all() if conn.autocommit else in_own_transaction(conn, status, unlock_all)
+        ok = unlock_all()
     except psycopg.OperationalError as exc:
         if conn.closed or conn.broken:
             raise LockLost.for_names(

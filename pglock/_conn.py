@@ -5,6 +5,7 @@ is pglock's per-connection bookkeeping (in a weak registry).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -14,7 +15,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from functools import lru_cache
@@ -23,10 +24,12 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import errors as pg_errors
 from psycopg import generators, sql
+from psycopg.abc import AdaptContext
 from psycopg.adapt import AdaptersMap
 from psycopg.pq import ConnStatus, DiagnosticField, ExecStatus, Format, TransactionStatus
 from psycopg.pq.abc import PGresult
 from psycopg.rows import tuple_row
+from psycopg.types.string import TextBinaryLoader, TextLoader
 
 from . import _sql
 from ._classify import HELD, Kind, check_driver, classify
@@ -125,6 +128,17 @@ def _driver_connection(sa_conn: Any) -> psycopg.Connection[Any]:
 def _check_open(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     if conn.closed or conn.broken:
         raise InvalidConnectionState.closed()
+    return no_pipeline(conn)
+
+
+def no_pipeline(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
+    """``conn``, unless it is in pipeline mode (InvalidConnectionState)."""
+    if conn.pgconn.pipeline_status:
+        # Its answers arrive only at the pipeline's sync, after pglock would have to report.
+        raise InvalidConnectionState(
+            "the connection is in pipeline mode: pglock reads the answer to each of its "
+            "statements before it reports, so take and release locks outside the pipeline block"
+        )
     return conn
 
 
@@ -166,9 +180,53 @@ class Context:
     schema: str | None = None  # of a lease/semaphore statement: its absence is SchemaNotInstalled
     waits: bool = True  # lock timeouts, cancels, deadlocks, full lock table: lock errors
     flight: Flight | None = None  # the wait close() cancels
+    #: The transaction status the statement was built for, checked under the connection's lock
+    #: before anything is sent (:class:`StatusChanged`): another thread may have begun or ended
+    #: a transaction on a shared connection since.
+    expect: int | None = None
 
 
 _NO_CONTEXT = Context()
+
+
+class StatusChanged(Exception):
+    """Nothing was sent: the transaction status is no longer the one the statement was built
+    for (another thread sharing the connection began or ended a transaction): build it again."""
+
+
+@contextlib.contextmanager
+def utf8(conn: psycopg.Connection[Any], *, begin: bool = False) -> Iterator[None]:
+    """Names, holder ids and metadata cross ``conn`` in UTF-8 meanwhile: they may hold any
+    character, which another client_encoding cannot carry (SQL_ASCII is not even decoded). A
+    session in another encoding is switched for the time, and back (a switch inside the
+    caller's transaction is undone with it, should that roll back). ``begin``: what follows
+    belongs in the caller's transaction, begun first (see :func:`call`)."""
+    old = conn.pgconn.parameter_status(b"client_encoding")
+    if old in (None, b"UTF8"):
+        yield
+        return
+    call(conn, _sql.client_encoding("UTF8").as_bytes(None), begin=begin)
+    try:
+        yield
+    finally:
+        if not (conn.closed or conn.broken) and conn.pgconn.transaction_status != INERROR:
+            call(conn, _sql.client_encoding(old.decode("ascii")).as_bytes(None))
+
+
+def _expected(conn: psycopg.Connection[Any], expect: int | None) -> int:
+    """Under the connection's lock: its transaction status, if it is ``expect`` (or any)."""
+    status: int = conn.pgconn.transaction_status
+    if expect is not None and status != expect:
+        raise StatusChanged
+    return status
+
+
+def _end(conn: psycopg.Connection[Any], ok: bool) -> None:
+    """Under the connection's lock: end the transaction this call began and left open."""
+    pgconn = conn.pgconn
+    if pgconn.status == _CONNECTION_OK and pgconn.transaction_status in (INTRANS, INERROR):
+        pgconn.send_query(b"COMMIT" if ok else b"ROLLBACK")
+        conn.wait(generators.execute(pgconn))
 
 
 class _OwnAdapters:
@@ -191,9 +249,25 @@ class _ClientCursor(_OwnAdapters, psycopg.ClientCursor[tuple[Any, ...]]):
     __slots__ = ()
 
 
+class _TextLoader(TextLoader):
+    """Text in the connection's encoding; under SQL_ASCII (no conversion at all, which psycopg
+    leaves as bytes) as UTF-8, the encoding of what pglock stores."""
+
+    def __init__(self, oid: int, context: AdaptContext | None = None) -> None:
+        super().__init__(oid, context)
+        self._encoding = self._encoding or "utf-8"
+
+
+class _TextBinaryLoader(_TextLoader, TextBinaryLoader):
+    pass
+
+
 #: psycopg's default adapters at import, never a caller's (one that loads ``bool`` as text
 #: would turn every refusal into a grant).
 _ADAPTERS = AdaptersMap(psycopg.adapters)
+for _t in ("text", "varchar", "name", "bpchar"):
+    _ADAPTERS.register_loader(_t, _TextLoader)
+    _ADAPTERS.register_loader(_t, _TextBinaryLoader)
 
 
 def cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[tuple[Any, ...]]:
@@ -208,28 +282,44 @@ def cursor(conn: psycopg.Connection[Any]) -> psycopg.Cursor[tuple[Any, ...]]:
 def fetch(
     conn: psycopg.Connection[Any], query: Query, params: Sequence[Any] | None = None, *,
     binary: bool = False, flight: Flight | None = None, libpq: bool = False,
+    expect: int | None = None, alone: bool = False,
 ) -> list[list[tuple[Any, ...]]]:
     """Execute ``query`` on pglock's own cursor (cancellable by ``flight``); the rows of every
     statement that returns rows, in order. Errors pass unchanged (see :func:`translate`). Without
-    ``params`` a query may hold several ``;``-joined statements (never prepared). ``binary`` asks
-    for binary results, except with client-side binding (``%b`` becomes ``%s``). ``libpq``: one
-    statement (scalar parameters) sent by :func:`_libpq_rows` where :func:`direct` allows."""
+    ``params`` a query may hold several ``;``-joined statements (never prepared, text results
+    unless ``binary``: then one statement). ``binary`` asks for binary results, except with
+    client-side binding (``%b`` becomes ``%s``). ``libpq``: one statement (scalar parameters)
+    sent by :func:`_libpq_rows` where :func:`direct` allows. ``expect``: see
+    :attr:`Context.expect`. ``alone``: on an idle connection, leave no transaction open (the
+    BEGIN psycopg sends on a non-autocommit one is ended in the same hold of its lock)."""
     if libpq and params is not None and isinstance(query, bytes) and direct(conn):
         return [_libpq_rows(conn, query, params)]
-    cur = cursor(conn)
-    kwargs: dict[str, bool] = {}
+    # Without parameters there is nothing to bind: pglock's server-side cursor, unprepared.
+    cur = cursor(conn) if params is not None else _Cursor(conn, row_factory=tuple_row)
+    kwargs: dict[str, bool] = {"binary": binary}
     if params is None:
         kwargs["prepare"] = False
     elif isinstance(cur, _ClientCursor):
+        del kwargs["binary"]  # client-side binding: text only
         if binary and isinstance(query, bytes):
             query = _text_placeholders(query)
-    else:
-        kwargs["binary"] = binary
+
+    def send() -> None:
+        # What cur.execute() runs, under the lock held from the status check to the end.
+        alone_now = alone and _expected(conn, expect) == IDLE
+        ok = False
+        try:
+            conn.wait(cur._execute_gen(query, params, **kwargs))
+            ok = True
+        finally:
+            if alone_now:
+                _end(conn, ok=ok)
+
     if flight is None:
-        cur.execute(query, params, **kwargs)
+        with conn.lock:
+            send()
     else:
-        # What cur.execute() runs, under the connection lock Flight.run takes.
-        flight.run(conn, lambda: conn.wait(cur._execute_gen(query, params, **kwargs)))
+        flight.run(conn, send)
     # The status of each result, not cur.description, which builds column objects.
     results: list[list[tuple[Any, ...]]] = []
     while True:
@@ -310,14 +400,15 @@ def run_all(
 ) -> list[list[tuple[Any, ...]]]:
     """:func:`fetch`, cut off at ``ctx.deadline`` if any; Postgres errors that mean something
     for a lock become pglock errors here, by SQLSTATE."""
-    ctx = ctx or Context()
-    flight = ctx.flight
+    ctx = ctx or _NO_CONTEXT
+
+    def send() -> list[list[tuple[Any, ...]]]:
+        return fetch(conn, stmt, params, flight=ctx.flight, expect=ctx.expect)
+
     try:
         if ctx.deadline is None:
-            return fetch(conn, stmt, params, flight=flight)
-        return within(
-            conn, ctx.deadline, lambda: fetch(conn, stmt, params, flight=flight), "a lock statement"
-        )
+            return send()
+        return within(conn, ctx.deadline, send, "a lock statement")
     except psycopg.Error as exc:
         translated = translate(exc, ctx)
         if translated is None:
@@ -352,10 +443,8 @@ _DECODE: dict[int, Callable[[bytes, Any], Any]] = {
 
 
 def direct(conn: psycopg.Connection[Any]) -> bool:
-    """May :func:`call` send on ``conn`` straight through libpq: not in pipeline mode, and its
-    owner did not choose client-side binding (kept for a proxy that needs it)?"""
-    if conn.pgconn.pipeline_status:
-        return False
+    """May pglock send parameters on ``conn`` in binary, as prepared statements: its owner did
+    not choose client-side binding (kept for a proxy that needs it: then literals)?"""
     factory = conn.cursor_factory
     return not (isinstance(factory, type) and issubclass(factory, psycopg.ClientCursor))
 
@@ -363,28 +452,32 @@ def direct(conn: psycopg.Connection[Any]) -> bool:
 def call(
     conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param] = (),
     ctx: Context | None = None, *, begin: bool = False, prepared: set[bytes] | None = None,
-) -> PGresult:
+    every: bool = False,
+) -> Any:
     """Send one fixed statement of :mod:`pglock._sql` (``$n`` placeholders, bigint or bigint[]
-    parameters; several ``;``-joined statements without parameters) through libpq, results in
-    binary (with parameters) or text: the last result that returned rows. The pglock hot path:
-    no cursor, adapter or row factory, so nothing of the caller's connection set-up applies
-    (in pipeline mode or with client-side binding it goes through pglock's cursor). Errors are
-    translated as :func:`run_all` does. ``begin``: the statement belongs in the caller's
-    transaction, which psycopg begins first on an idle non-autocommit connection.
+    parameters), or several ``;``-joined statements (a batch, no parameters), through libpq:
+    results in binary (with parameters) or text, the last that returned rows (``every``: the
+    list of them). The pglock hot path: no cursor, adapter or row factory, so nothing of the
+    caller's connection set-up applies; with client-side binding the parameters go as
+    literals. Errors are translated as :func:`run_all` does. ``begin``: the statement belongs
+    in the caller's transaction, begun first on an idle non-autocommit connection.
     ``prepared``: the names of the statements prepared on the connection (ConnState.prepared):
-    outside a transaction the statement is prepared once and then executed by name."""
+    outside a transaction the statement is prepared once and then executed by name.
+
+    Whatever the connection's status was when the statement was built, it is read again under
+    the connection's lock (``ctx.expect``); and a statement sent outside any transaction that
+    leaves one open (a batch that failed between its BEGIN and COMMIT) has it rolled back in
+    the same hold of the lock: another thread sharing the connection never finds pglock's
+    transaction open, and pglock never commits or rolls back one it did not begin."""
     ctx = ctx or _NO_CONTEXT
-    send = _call
-    idle = conn.pgconn.transaction_status == IDLE
-    if not direct(conn) or (begin and idle and not conn.autocommit):
-        send = _call_on_cursor
+
+    def send() -> Any:
+        return _call(conn, query, params, ctx, begin, prepared, every)
+
     try:
         if ctx.deadline is None:
-            return send(conn, query, params, ctx.flight, prepared)
-        return within(
-            conn, ctx.deadline, lambda: send(conn, query, params, ctx.flight, prepared),
-            "a lock statement",
-        )
+            return send()
+        return within(conn, ctx.deadline, send, "a lock statement")
     except psycopg.Error as exc:
         translated = translate(exc, ctx)
         if translated is None:
@@ -392,43 +485,63 @@ def call(
         raise translated from exc
 
 
+def _literals(query: bytes, params: Sequence[Param]) -> bytes:
+    """``query`` with its bigint or bigint[] parameters as literals (for a simple query)."""
+    for n in range(len(params), 0, -1):  # $10 before $1
+        p = params[n - 1]
+        literal = b"%d::int8" % p if isinstance(p, int) else b"'{%s}'::int8[]" % b",".join(
+            b"%d" % int(k) for k in p
+        )
+        query = query.replace(b"$%d" % n, literal)
+    return query
+
+
 def _call(
-    conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param], flight: Flight | None,
-    prepared: set[bytes] | None,
-) -> PGresult:
+    conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param], ctx: Context,
+    begin: bool, prepared: set[bytes] | None, every: bool,
+) -> Any:
     pgconn = conn.pgconn
-    values = [
-        _INT8(p) if isinstance(p, int) else b"{%s}" % b",".join(b"%d" % k for k in p)
-        for p in params
-    ]
-    types = [_INT8_OID if isinstance(p, int) else _INT8_ARRAY_OID for p in params]
-    formats = [_BINARY if isinstance(p, int) else _TEXT for p in params]
 
-    def send() -> list[PGresult]:
+    def exchange() -> list[PGresult]:
         _check_sendable(pgconn)
-        if not params:
-            pgconn.send_query(query)
-        elif prepared is None or pgconn.transaction_status != IDLE:
-            pgconn.send_query_params(query, values, types, formats, _BINARY)
-        else:
-            return _send_prepared(conn, query, values, types, formats, prepared)
-        return conn.wait(generators.execute(pgconn))
+        status = _expected(conn, ctx.expect)
+        try:
+            if begin and status == IDLE and not conn.autocommit:
+                pgconn.send_query(b"BEGIN; " + _literals(query, params))
+            elif not params or not direct(conn):
+                pgconn.send_query(_literals(query, params))
+            else:
+                values = [
+                    _INT8(p) if isinstance(p, int) else b"{%s}" % b",".join(b"%d" % k for k in p)
+                    for p in params
+                ]
+                types = [_INT8_OID if isinstance(p, int) else _INT8_ARRAY_OID for p in params]
+                formats = [_BINARY if isinstance(p, int) else _TEXT for p in params]
+                if prepared is None or status != IDLE:
+                    pgconn.send_query_params(query, values, types, formats, _BINARY)
+                else:
+                    return _send_prepared(conn, query, values, types, formats, prepared)
+            return conn.wait(generators.execute(pgconn))
+        finally:
+            if status == IDLE and not begin:
+                _end(conn, ok=False)  # a batch failed (or was interrupted) before its COMMIT
 
+    flight = ctx.flight
     if flight is None:
         with conn.lock:
-            results = send()
+            results = exchange()
     else:
-        results = flight.run(conn, send)
-    found = None
+        results = flight.run(conn, exchange)
+    found = []
     for res in results:
         status = res.status
         if status == _TUPLES_OK:
-            found = res
+            found.append(res)
         elif status == _FATAL_ERROR:
             raise pg_errors.error_from_result(res, encoding=conn.info.encoding)
-    if found is None:
+    if not found:
         raise psycopg.ProgrammingError(f"no rows from {query!r}")
-    return found
+    return found if every else found[-1]
 
 
 def _send_prepared(
@@ -470,35 +583,6 @@ def _statement_name(query: bytes) -> bytes:
 def _check_sendable(pgconn: Any) -> None:
     if pgconn.status != _CONNECTION_OK:
         raise psycopg.OperationalError("the connection is closed")
-
-
-def _call_on_cursor(
-    conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param], flight: Flight | None,
-    prepared: set[bytes] | None = None,
-) -> PGresult:
-    """:func:`call` through pglock's own cursor (pipeline mode, client-side binding, a
-    transaction to begin), the parameters rendered as literals (bigints only)."""
-    for n in range(len(params), 0, -1):
-        p = params[n - 1]
-        literal = b"%d::int8" % p if isinstance(p, int) else b"'{%s}'::int8[]" % b",".join(
-            b"%d" % int(k) for k in p
-        )
-        query = query.replace(b"$%d" % n, literal)
-    cur = cursor(conn)
-    if flight is None:
-        cur.execute(query, prepare=False)
-    else:
-        flight.run(conn, lambda: conn.wait(cur._execute_gen(query, prepare=False)))
-    found = None
-    while True:
-        res = cur.pgresult
-        if res is not None and res.status == _TUPLES_OK:
-            found = res
-        if not cur.nextset():
-            break
-    if found is None:
-        raise psycopg.ProgrammingError(f"no rows from {query!r}")
-    return found
 
 
 def truth(res: PGresult, row: int = 0, col: int = 0) -> bool:
@@ -713,15 +797,12 @@ def forget(conn: psycopg.Connection[Any], *, lost: str | None = None) -> ConnSta
 def probe(conn: psycopg.Connection[Any], state: ConnState, ctx: Context | None = None) -> None:
     """Once per connection (in the caller's transaction, if one is open): refuse a hot standby,
     note the pid."""
-    if conn.pgconn.transaction_status == IDLE and not conn.autocommit and direct(conn):
-        # Not in a transaction of psycopg's (BEGIN): statement pooling ends the client that
-        # opens one, so the probe could not even report the pooler (docs/pgbouncer.md).
-        res = call(conn, _sql.PROBE.as_bytes(conn), (), ctx)
-        registry_value = res.get_value(0, 2)
-        in_recovery, pid, timeouts = truth(res), bigint(res, 0, 1), truth(res, 0, 3)
-        registry = None if registry_value is None else registry_value.decode(conn.info.encoding)
-    else:
-        in_recovery, pid, registry, timeouts = run(conn, _sql.PROBE, ctx)[0]
+    # Never in a transaction of its own (BEGIN): statement pooling ends the client that opens
+    # one, so the probe could not even report the pooler (docs/pgbouncer.md).
+    res = call(conn, _sql.PROBE.as_bytes(conn), (), ctx)
+    registry_value = res.get_value(0, 2)
+    in_recovery, pid, timeouts = truth(res), bigint(res, 0, 1), truth(res, 0, 3)
+    registry = None if registry_value is None else registry_value.decode()
     if in_recovery:
         raise UnsupportedServer(
             "this server is a hot standby (pg_is_in_recovery() is true): advisory locks on a "

@@ -12,7 +12,6 @@ from typing import Any, Literal
 import psycopg
 
 from . import _conn, _sql
-from ._conn import IDLE
 from ._contract import DEFAULT_SCHEMA, validate_schema
 from ._keys import normalize_names, validate_name
 from .errors import SchemaNotInstalled
@@ -132,25 +131,20 @@ def advisory_locks(
     c = _conn.resolve(conn, "advisory_locks").conn
     waitstart = c.info.server_version >= 140000
 
-    def query() -> list[tuple[Any, ...]]:
-        registry = _conn.run(c, _sql.names_readable(schema))[0][0]
-        return _conn.run(c, _sql.advisory_locks(keys, names_schema=registry, waitstart=waitstart))
-
-    return sorted(map(_advisory_lock, _read(c, query)), key=lambda lk: (
+    _conn.check_usable(c)
+    with _conn.utf8(c):
+        registry = _read(c, _sql.names_readable(schema))[0][0]
+        rows = _read(c, _sql.advisory_locks(keys, names_schema=registry, waitstart=waitstart))
+    return sorted(map(_advisory_lock, rows), key=lambda lk: (
         lk.name is None, lk.name or "", lk.key or 0, lk.key_pair or (0, 0), not lk.granted,
         lk.waiting_since or lk.observed_at, lk.pid or 0,
     ))
 
 
-def _read(conn: psycopg.Connection[Any], fn: Any) -> Any:
-    """Run read-only ``fn`` and leave an idle connection idle (no dangling transaction)."""
-    if _conn.check_usable(conn) == IDLE and not conn.autocommit:
-        try:
-            return fn()
-        finally:
-            if not (conn.closed or conn.broken):
-                conn.rollback()
-    return fn()
+def _read(conn: psycopg.Connection[Any], stmt: Any) -> list[tuple[Any, ...]]:
+    """The rows of one read-only statement (in binary: no session setting changes them); an
+    idle connection is left idle (see ``alone`` in :func:`pglock._conn.fetch`)."""
+    return _conn.fetch(conn, stmt, binary=True, alone=True)[0]
 
 
 def _int4(v: int) -> int:
@@ -262,14 +256,11 @@ def semaphores(
     schema = validate_schema(schema)
     c = _conn.resolve(conn, "semaphores").conn
 
-    def query() -> list[tuple[Any, ...]] | None:
-        if not _conn.run(c, _sql.relations_exist(schema, ["semaphore", "semaphore_permit"]))[0][0]:
-            return None
-        return _conn.run(c, _sql.semaphores(schema, name))
-
-    rows = _read(c, query)
-    if rows is None:
-        raise SchemaNotInstalled.for_connection(c, schema)
+    _conn.check_usable(c)
+    with _conn.utf8(c):
+        if not _read(c, _sql.relations_exist(schema, ["semaphore", "semaphore_permit"]))[0][0]:
+            raise SchemaNotInstalled.for_connection(c, schema)
+        rows = _read(c, _sql.semaphores(schema, name))
     out: dict[str, tuple[int, bool, list[SemaphoreHolder]]] = {}
     for sem, limit, waiters, holder, permits, acquired, expires, metadata, expires_in in rows:
         entry = out.setdefault(sem, (limit, waiters, []))

@@ -356,7 +356,8 @@ class LeaderElection:
         conn = psycopg.connect(pg_conninfo.make_conninfo("", **params), autocommit=True)
         try:
             _conn.run(conn, _sql.leader_session_setup(idle, 1, count, user_timeout))
-            pid, started, in_recovery = _conn.run(conn, _sql.LEADER_SESSION)[0]
+            # In binary: DateStyle decides how backend_start would read as text.
+            pid, started, in_recovery = _conn.fetch(conn, _sql.LEADER_SESSION, binary=True)[0][0]
             if in_recovery:
                 raise UnsupportedServer(
                     "this server is a hot standby: advisory locks on it coordinate nothing; "

@@ -156,19 +156,14 @@ def _query(target: object, kind: str, schema: str, params: tuple[Any, ...]) -> _
     if classify(target, HELD | SOURCES, api=api) not in HELD:
         deadline = time.monotonic() + SHORT_DEADLINE[1]
         return run(make_source(target), kind, schema, params, deadline=deadline)
-    resolved = _conn.resolve(target, api)
-    pg = resolved.conn
-    status = _conn.check_usable(pg)
-    own = status == TransactionStatus.IDLE and not pg.autocommit
+    pg = _conn.resolve(target, api).conn
+    _conn.check_usable(pg)
     try:
-        rows = _conn.fetch(pg, stmt(kind, schema), params)[0]
+        # Outside a transaction it runs in one of its own: an idle connection is left idle.
+        with _conn.utf8(pg):
+            return _conn.fetch(pg, stmt(kind, schema), params, libpq=True, alone=True)[0]
     except psycopg.Error as exc:
-        if own and not pg.broken:
-            pg.rollback()
         _ttl.raise_translated(exc, pg, schema)
-    if own:
-        pg.commit()  # leave an idle connection idle
-    return rows
 
 
 def info_row(row: tuple[Any, ...]) -> LeaseInfo:
@@ -227,7 +222,13 @@ def fence(
         raise InvalidConnectionState.no_transaction("guard()", "the row lock would end at once")
     _conn.ensure_sqlalchemy_transaction(target)
     try:
-        found = _conn.fetch(pg, stmt("guard", schema), (name, holder, token))
+        with _conn.utf8(pg, begin=True):
+            found = _conn.fetch(pg, stmt("guard", schema), (name, holder, token))
+    except psycopg.errors.ReadOnlySqlTransaction as exc:
+        raise InvalidConnectionState(
+            "guard() locks the lease's row until the transaction ends, which a read-only "
+            "transaction cannot (default_transaction_read_only?): begin it READ WRITE"
+        ) from exc
     except psycopg.Error as exc:
         _ttl.raise_translated(exc, pg, schema)
     if found[0] and found[0][0][0]:

@@ -250,7 +250,7 @@ class PoolSource(Source):
         pool = self.pool
         conninfo = pool.conninfo() if callable(pool.conninfo) else pool.conninfo
         kwargs = dict((pool.kwargs() if callable(pool.kwargs) else pool.kwargs) or {})
-        kwargs["autocommit"] = True
+        kwargs.update(autocommit=True, client_encoding="UTF8")
         kwargs.update(connect_extra(conninfo, kwargs))
         conn = connect_within(
             lambda: pool.connection_class.connect(conninfo, **kwargs), deadline, close_quietly
@@ -319,7 +319,8 @@ class DsnSource(Source):
         self._lock = threading.Lock()
 
     def _connect(self) -> psycopg.Connection[Any]:
-        return psycopg.connect(self.conninfo, autocommit=True)
+        # pglock's own connection: names, holder ids and metadata cross it in UTF-8.
+        return psycopg.connect(self.conninfo, autocommit=True, client_encoding="UTF8")
 
     def _checkout(self, timeout: float | None, fresh: bool, deadline: float | None) -> Checkout:
         if fresh:
@@ -418,6 +419,7 @@ def open_listening(source: Source, channel: str, deadline: float | None = None) 
     :class:`NoAnswer` if it does not listen by ``deadline`` (a ``time.monotonic()`` instant)."""
     conn, close = source.open_listener(deadline)
     try:
+        within(conn, deadline, lambda: _conn.fetch(conn, _sql.LISTENER_SETUP), "LISTEN")
         within(conn, deadline, lambda: _conn.fetch(conn, _sql.listen(channel)), "LISTEN")
     except BaseException:
         close()

@@ -16,6 +16,9 @@ from ._contract import DEFAULT_SCHEMA, NAMES_MARKER, NAMES_TABLE
 
 SAVEPOINT_NAME = sql.Identifier("_pglock_acquire")
 
+#: A transaction of pglock's own on a caller's connection: its isolation whatever the session's.
+OWN_BEGIN = sql.SQL("BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE")
+
 # (transaction-level, shared, try) -> Postgres function
 _LOCK_FUNCS = {
     (False, False, False): "pg_advisory_lock",
@@ -339,11 +342,14 @@ def with_literals(query: bytes, params: Sequence[int | Sequence[int]]) -> sql.Co
 def set_local_timeouts(timeout_ms: int, *, several: bool) -> sql.Composed:
     """Bound the next statement's lock waits, and for ``several`` keys the statement itself. The
     caller's ``statement_timeout`` is always replaced: for one key by 0, since until pglock
-    restores it, it would also bound pglock's own statements after the grant."""
+    restores it, it would also bound pglock's own statements after the grant. A session's
+    ``exit_on_error`` would end the whole session (and every lock of it) when the wait runs out:
+    off meanwhile."""
     value = sql.Literal(f"{timeout_ms}ms")
-    return sql.SQL("SET LOCAL lock_timeout = {}; SET LOCAL statement_timeout = {}").format(
-        value, value if several else sql.Literal("0")
-    )
+    return sql.SQL(
+        "SET LOCAL lock_timeout = {}; SET LOCAL statement_timeout = {}; "
+        "SET LOCAL exit_on_error = off"
+    ).format(value, value if several else sql.Literal("0"))
 
 
 def _savepoint(query: str) -> sql.Composed:
@@ -355,16 +361,22 @@ rollback_to_savepoint = partial(_savepoint, "ROLLBACK TO SAVEPOINT {0}; RELEASE 
 release_savepoint = partial(_savepoint, "RELEASE SAVEPOINT {}")
 
 
-def current_timeouts() -> sql.Composed:
-    return sql.SQL(
-        "SELECT current_setting('lock_timeout'), current_setting('statement_timeout')"
-    ).format()
+#: The settings :func:`set_local_timeouts` changes, which a batch in the caller's transaction
+#: reads first and restores after (:func:`restore_settings`).
+_TIMED = ("lock_timeout", "statement_timeout", "exit_on_error")
 
 
-def restore_timeouts(lock_timeout: str, statement_timeout: str) -> sql.Composed:
-    return sql.SQL(
-        "SELECT set_config('lock_timeout', {}, true), set_config('statement_timeout', {}, true)"
-    ).format(sql.Literal(lock_timeout), sql.Literal(statement_timeout))
+def current_settings() -> sql.Composed:
+    return sql.SQL("SELECT {}").format(sql.SQL(", ").join(
+        sql.SQL("pg_catalog.current_setting({})").format(sql.Literal(n)) for n in _TIMED
+    ))
+
+
+def restore_settings(values: Sequence[str]) -> sql.Composed:
+    return sql.SQL("SELECT {}").format(sql.SQL(", ").join(
+        sql.SQL("pg_catalog.set_config({}, {}, true)").format(sql.Literal(n), sql.Literal(v))
+        for n, v in zip(_TIMED, values, strict=True)
+    ))
 
 
 def held_advisory(keys: Sequence[int], *, shared: bool) -> sql.Composed:
@@ -424,7 +436,8 @@ def leader_session_setup(
     return sql.SQL(
         "SET tcp_keepalives_idle = {}; SET tcp_keepalives_interval = {}; "
         "SET tcp_keepalives_count = {}; SET tcp_user_timeout = {}; "
-        "SET statement_timeout = 0; SET idle_in_transaction_session_timeout = 0"
+        "SET statement_timeout = 0; SET idle_in_transaction_session_timeout = 0; "
+        "SET idle_session_timeout = 0"
     ).format(*map(sql.Literal, settings))
 
 
@@ -445,7 +458,7 @@ def new_term(server_version: int) -> sql.Composed:
     again; the promotion's new timeline puts every later term above them (docs/leader.md)."""
     xid = "pg_current_xact_id()::text::bigint" if server_version >= 130000 else "txid_current()"
     return sql.SQL(
-        "BEGIN; SET LOCAL synchronous_commit = on; SELECT (('x' || lpad(substr("
+        "BEGIN READ WRITE; SET LOCAL synchronous_commit = on; SELECT (('x' || lpad(substr("
         "pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 1, 8), 16, '0'))"
         "::bit(64)::bigint << 44) + pg_catalog.{}; COMMIT"
     ).format(sql.SQL(xid))
@@ -489,7 +502,7 @@ def semaphore_acquire(
     ``synchronous_commit`` is off (the function turns it off for a refusal)."""
     args = (name, limit, holder, permits, ttl, metadata_json, wait)
     return sql.SQL(
-        "BEGIN ISOLATION LEVEL READ COMMITTED; SET LOCAL synchronous_commit = on; "
+        "BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE; SET LOCAL synchronous_commit = on; "
         "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; "
         "SELECT granted, max_permits, held, retry_in FROM {}.semaphore_acquire("
         "{}::text, {}::integer, {}::text, {}::integer, {}::float8, {}::jsonb, {}::boolean); COMMIT"
@@ -508,15 +521,17 @@ def semaphore_extend(
         for name, holders, ttl in permits
     )
     return sql.SQL(
-        "BEGIN; SET LOCAL synchronous_commit = on; "
+        "BEGIN READ WRITE; SET LOCAL synchronous_commit = on; "
         "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; {renew}; COMMIT"
     ).format(renew=renew)
 
 
 def semaphore_release(schema: str, name: str, holder: str) -> sql.Composed:
-    """One row: status ('released', 'expired', 'not_held'), notified."""
+    """One row: status ('released', 'expired', 'not_held'), notified. In a transaction of
+    its own, READ WRITE whatever the session's default."""
     return sql.SQL(
-        "SELECT status, notified FROM {s}.semaphore_release({name}::text, {holder}::text)"
+        "BEGIN READ WRITE; "
+        "SELECT status, notified FROM {s}.semaphore_release({name}::text, {holder}::text); COMMIT"
     ).format(s=sql.Identifier(schema), name=sql.Literal(name), holder=sql.Literal(holder))
 
 
@@ -578,11 +593,18 @@ def lease_statement(kind: str, schema: str) -> sql.Composed:
 # stricter default isolation), or that the session's own timeouts cut short, is sent again in
 # these: at READ COMMITTED it sees the latest commits, and a client-side deadline bounds it.
 LEASE_RETRY_BEGIN = (
-    "BEGIN ISOLATION LEVEL READ COMMITTED;"
+    "BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE;"
     " SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0"
 )
 LEASE_RETRY_COMMIT = "COMMIT"
 LEASE_RETRY_ROLLBACK = "ROLLBACK"
+
+
+def client_encoding(name: str) -> sql.Composed:
+    """Switch the session's client_encoding (see pglock._conn.utf8)."""
+    return sql.SQL("SELECT pg_catalog.set_config('client_encoding', {}, false)").format(
+        sql.Literal(name)
+    )
 
 
 #: The isolation level of the caller's transaction (why a guard() does not see a lease).
@@ -592,6 +614,11 @@ TRANSACTION_ISOLATION = "SELECT pg_catalog.current_setting('transaction_isolatio
 def listen(channel: str) -> sql.Composed:
     """Subscribe to lease releases (release() notifies the channel named after the schema)."""
     return sql.SQL("LISTEN {}").format(sql.Identifier(channel))
+
+
+#: A LISTEN connection sits idle between notifications, which carry names: the role's
+#: idle_session_timeout must not end it, and its client_encoding must carry any name.
+LISTENER_SETUP = b"SET idle_session_timeout = 0; SET client_encoding = 'UTF8'"
 
 
 def schema_install_lock(lock_key: int) -> sql.Composed:

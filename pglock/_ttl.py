@@ -69,7 +69,7 @@ def _execute(
         )
     libpq = libpq and params is not None and _conn.direct(conn)
     try:
-        with contextlib.nullcontext() if libpq else _autocommit(conn):
+        with _conn.utf8(conn), contextlib.nullcontext() if libpq else _autocommit(conn):
             if params is not None:
                 return _with_retries(conn, rows, kind, query, params, binary, libpq)
             try:
@@ -115,11 +115,19 @@ def _with_retries(
             if attempt or state.session_timeouts or not _has_session_timeouts(conn):
                 raise
             state.session_timeouts = True
-        except (pg_errors.SerializationFailure, pg_errors.DeadlockDetected) as exc:
+        except (
+            pg_errors.SerializationFailure, pg_errors.DeadlockDetected,
+            pg_errors.ReadOnlySqlTransaction,
+        ) as exc:
             # The functions are written for READ COMMITTED; under a stricter default isolation
-            # they can fail this way every time under contention: sent again at READ COMMITTED.
+            # they can fail this way every time under contention, and every time under a
+            # read-only default: sent again at READ COMMITTED, READ WRITE.
             if attempt == _RETRIES or conn.info.transaction_status != TransactionStatus.IDLE:
                 raise
+            if isinstance(exc, pg_errors.ReadOnlySqlTransaction):
+                if attempt:
+                    raise  # READ WRITE refused too: a standby
+                state.session_timeouts = True  # from now on in an explicit transaction
             rows.log.debug(
                 "%s statement %r: %s; sending it again at READ COMMITTED",
                 rows.user, kind, type(exc).__name__,

@@ -166,7 +166,7 @@ def _batch(
         ending.append(_registry.statement(registering))
     parts: list[sql.Composable] = [_sql.savepoint()]
     if limit is not None:
-        parts += [_sql.current_timeouts(), _sql.set_local_timeouts(limit, several=len(keys) > 1)]
+        parts += [_sql.current_settings(), _sql.set_local_timeouts(limit, several=len(keys) > 1)]
     parts += [_sql.TRANSACTION_START, _sql.lock(keys, shared=shared, xact=True, try_=try_)]
     # One round trip in the common cases: the savepoint can be released in the same batch
     # unless a partial multi-key try must be rolled back or SET LOCAL must be undone.
@@ -187,8 +187,7 @@ def _batch(
         # leaves the caller's transaction as it was. Released first, it would abort it.
         tail: list[sql.Composable] = []
         if limit is not None:
-            lock_timeout, statement_timeout = results[0][0]
-            tail.append(_sql.restore_timeouts(lock_timeout, statement_timeout))
+            tail.append(_sql.restore_settings(results[0][0]))
         rest = sql.SQL("; ").join(tail + ending)
         done = _run(conn, state, timeout, lambda: _conn.run(conn, rest, ctx))
         if done is None or done is AGAIN:

@@ -141,7 +141,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     dsn = _dsn(args)
     conninfo = make_conninfo(dsn, **connect_extra(dsn))
-    with psycopg.connect(conninfo, autocommit=True, application_name="pglock status") as conn:
+    with psycopg.connect(
+        conninfo, autocommit=True, application_name="pglock status", client_encoding="UTF8"
+    ) as conn:
         if args.watch is None:
             _print_status(args, status_snapshot(conn, names, schema))
             return EXIT_OK
@@ -201,7 +203,14 @@ def status_snapshot(conn: Any, names: list[str] | None, schema: str) -> dict[str
     installed or not readable (42501) is None with an entry in ``errors``; the advisory locks
     need no grant, so their errors propagate."""
     c = _conn.resolve(conn, "pglock status").conn
-    db, now, version, role, usage, registry = _conn.fetch(c, _sql.status_header(schema))[0][0]
+    _conn.check_usable(c)
+    with _conn.utf8(c):
+        header = _conn.fetch(c, _sql.status_header(schema), binary=True, alone=True)[0][0]
+        return _snapshot(conn, names, schema, header)
+
+
+def _snapshot(conn: Any, names: list[str] | None, schema: str, header: Any) -> dict[str, Any]:
+    db, now, version, role, usage, registry = header
     locks = _inspect.advisory_locks(conn, names, schema=schema)
     doc: dict[str, Any] = {
         "database": db, "server_time": now, "server_version": version, "schema": schema,
