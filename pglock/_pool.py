@@ -53,11 +53,10 @@ _DISCARD_LOST = (
     "Postgres drops every lock of a closed session"
 )
 
-# What each thread holds through a pool: (id of the pool, key) -> the bookkeeping of the
-# session holding it. A nested request for one of these would wait on another session for
-# this thread's own lock, for ever (Postgres sees no deadlock: the cycle goes through the
-# client). Weak values: a mark lives no longer than its session's record, so a lock object
-# collected unreleased leaves none once its connection is gone or the pool's reset released it.
+# What each thread holds through a pool: (id of the pool, key) -> the session's bookkeeping. A
+# nested request for one would wait on another session for this thread's own lock (Postgres
+# sees no deadlock: the cycle goes through the client). Weak values: a lock object collected
+# unreleased leaves no mark once its connection is gone or a reset hook released its lock.
 
 
 class _Marks(threading.local):
@@ -284,11 +283,9 @@ class PoolLock(BaseLock):
         marks = _pooled.marks
         pool_id = _pool_id(kind, source)
         for k, n in self._pairs:
-            held = marks.get((pool_id, k))
-            if held is not None and held.lost is None:
-                # Before any checkout: with a pool of one connection the checkout itself
-                # would wait for the outer block's connection. Only this thread can release
-                # that one, so a bounded wait could only end in False: answered at once.
+            if (held := marks.get((pool_id, k))) is not None and held.lost is None:
+                # Before any checkout (a pool of one would wait for the outer connection). Only
+                # this thread can release that lock: a bounded wait could only end in False.
                 why = f"could not acquire lock {n!r}: this thread holds it through this pool"
                 self._miss = (why, SelfDeadlock(n, key=k))
                 if timeout is None:
@@ -374,10 +371,9 @@ class PoolLock(BaseLock):
             if conn is not None and lock is not None and kind is not None:
                 self._finish(source, conn, lock, kind, exc)
         finally:
-            if marks is not None:  # the record of the thread that acquired, whichever releases
-                for mark in marks[1]:
-                    if marks[0].get(mark) is marks[2]:  # not a later hold's mark
-                        del marks[0][mark]
+            if marks is not None:  # the acquiring thread's marks, not a later hold's
+                for mark in [m for m in marks[1] if marks[0].get(m) is marks[2]]:
+                    del marks[0][mark]
 
     def _finish(
         self, source: Any, conn: Any, lock: PgLock, kind: str, exc: BaseException | None
@@ -521,8 +517,7 @@ def pool_lock(
     :raises pglock.UnsupportedServer: a hot standby, or a pooler session locks cannot work
         through (a pooler of unknown mode under ``pooler="auto"``, ``pooler="transaction"``,
         or sharing observed).
-    :raises pglock.SelfDeadlock: ``timeout`` is None and this thread already holds one of the
-        names through this pool (with a timeout: not acquired, at once).
+    :raises pglock.SelfDeadlock: no timeout, and this thread holds a name through this pool.
     :raises pglock.LockLost: at the exit, the lock was found gone (the connection discarded).
     :raises TypeError: not a supported pool, engine or driver; bad names, timeout or pooler.
     :raises ValueError: an invalid name, timeout or ``pooler`` value.
