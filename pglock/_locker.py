@@ -195,7 +195,7 @@ class Locker:
         :param options: those of :func:`pglock.pool_lock` (``shared``, ``timeout``,
             ``pooler``: the Locker's by default).
         :raises pglock.LockNotAcquired: not acquired in time (at ``with``).
-        :raises pglock.SelfDeadlock: this thread holds one of the names through this pool.
+        :raises pglock.SelfDeadlock: no timeout, and this thread holds a name through this pool.
         :raises RuntimeError: the Locker is closed (at ``with``).
         """
         options.setdefault("timeout", self._timeout)

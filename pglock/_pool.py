@@ -10,6 +10,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypedDict, cast
 
@@ -52,14 +53,15 @@ _DISCARD_LOST = (
     "Postgres drops every lock of a closed session"
 )
 
-# What each thread holds through a pool: (id of the pool, key). A nested request for one of
-# these would wait on another session for this thread's own lock, for ever (Postgres sees no
-# deadlock: the cycle goes through the client), so it is refused at once.
+# What each thread holds through a pool: (id of the pool, key) -> the session's bookkeeping. A
+# nested request for one would wait on another session for this thread's own lock (Postgres
+# sees no deadlock: the cycle goes through the client). Weak values: a lock object collected
+# unreleased leaves no mark once its connection is gone or a reset hook released its lock.
 
 
 class _Marks(threading.local):
     def __init__(self) -> None:
-        self.marks: set[tuple[int, int]] = set()
+        self.marks = weakref.WeakValueDictionary[tuple[int, int], _conn.ConnState]()
 
 
 _pooled = _Marks()
@@ -219,7 +221,7 @@ class PoolLock(BaseLock):
         self._conn: Any = None  # what the body gets
         self._lock: PgLock | None = None
         # This thread's record of pooled holds, and the marks this acquisition added to it.
-        self._marks: tuple[set[tuple[int, int]], list[tuple[int, int]]] | None = None
+        self._marks: tuple[Any, list[tuple[int, int]], _conn.ConnState] | None = None
 
     @property
     def names(self) -> list[str]:
@@ -281,10 +283,14 @@ class PoolLock(BaseLock):
         marks = _pooled.marks
         pool_id = _pool_id(kind, source)
         for k, n in self._pairs:
-            if (pool_id, k) in marks:
-                # Before any checkout: with a pool of one connection the checkout itself
-                # would wait for the outer block's connection.
-                raise SelfDeadlock(n, key=k)
+            if (held := marks.get((pool_id, k))) is not None and held.lost is None:
+                # Before any checkout (a pool of one would wait for the outer connection). Only
+                # this thread can release that lock: a bounded wait could only end in False.
+                why = f"could not acquire lock {n!r}: this thread holds it through this pool"
+                self._miss = (why, SelfDeadlock(n, key=k))
+                if timeout is None:
+                    raise self._miss[1]
+                return False
         deadline = _deadline(timeout)
         # An Engine waits for a connection up to its own pool_timeout.
         pooled = kind == "psycopg_pool"
@@ -307,9 +313,9 @@ class PoolLock(BaseLock):
             _give_back(kind, source, conn, discard=False)
             return False
         self._source, self._conn, self._lock = source, conn, lock
-        mine = [(pool_id, k) for k, _ in self._pairs]
-        marks.update(mine)
-        self._marks = (marks, mine)
+        mine, state = [(pool_id, k) for k, _ in self._pairs], cast(_conn.ConnState, lock._state)
+        marks.update(dict.fromkeys(mine, state))
+        self._marks = (marks, mine, state)
         if closed():  # granted as close() ran: a woken acquire() holds nothing
             self._end(None)
             return False
@@ -365,8 +371,9 @@ class PoolLock(BaseLock):
             if conn is not None and lock is not None and kind is not None:
                 self._finish(source, conn, lock, kind, exc)
         finally:
-            if marks is not None:  # the set of the thread that acquired, whichever releases
-                marks[0].difference_update(marks[1])
+            if marks is not None:  # the acquiring thread's marks, not a later hold's
+                for mark in [m for m in marks[1] if marks[0].get(m) is marks[2]]:
+                    del marks[0][mark]
 
     def _finish(
         self, source: Any, conn: Any, lock: PgLock, kind: str, exc: BaseException | None
@@ -510,7 +517,7 @@ def pool_lock(
     :raises pglock.UnsupportedServer: a hot standby, or a pooler session locks cannot work
         through (a pooler of unknown mode under ``pooler="auto"``, ``pooler="transaction"``,
         or sharing observed).
-    :raises pglock.SelfDeadlock: this thread already holds one of the names through this pool.
+    :raises pglock.SelfDeadlock: no timeout, and this thread holds a name through this pool.
     :raises pglock.LockLost: at the exit, the lock was found gone (the connection discarded).
     :raises TypeError: not a supported pool, engine or driver; bad names, timeout or pooler.
     :raises ValueError: an invalid name, timeout or ``pooler`` value.

@@ -133,8 +133,8 @@ class RWLock:
     :meth:`read` and :meth:`write` return lock objects (:class:`RWHold`) whose ``with`` yields
     the connection holding the lock: the one you passed, or one checked out of the pool (as in
     :func:`pool_lock`). Writers are not starved. On one connection a thread's re-entry is
-    counted and an upgrade raises :class:`pglock.LockError`; through a pool any nesting of the
-    name by one thread raises :class:`pglock.SelfDeadlock` (docs/rwlock.md).
+    counted and an upgrade raises :class:`pglock.LockError`; through a pool a nesting of the
+    name by one thread is refused (without a timeout: :class:`pglock.SelfDeadlock`).
 
     Thread safety: an ``RWLock`` may be shared by threads; each ``read()``/``write()`` call
     returns a lock object for one thread.

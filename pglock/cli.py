@@ -260,7 +260,21 @@ def _duration(seconds: float | None) -> str:
     return f"{days}d{hours:02d}h"
 
 
-def _cut(text: str, width: int) -> str:
+def _visible(text: str) -> str:
+    """``text`` safe for a terminal: every character that is not printable (C0 and C1 controls,
+    DEL, the ESC of ANSI sequences, line breaks, tabs, bidi and other format characters) and
+    every backslash as its Python escape (``\\x1b``, ``\\n``, ``\\u202e``, ``\\\\``), so
+    text from the database can neither forge a row nor change the terminal's state."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(
+        c if c.isprintable() and c != "\\" else c.encode("unicode_escape").decode() for c in text
+    )
+
+
+def _cut(text: str, width: int, *, raw: bool = False) -> str:
+    """A cell: ``text`` made :func:`_visible` (unless ``raw``), cut to ``width`` characters."""
+    text = text if raw else _visible(text)
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
@@ -276,7 +290,8 @@ def render_status(snap: dict[str, Any], *, verbose: bool = False) -> str:
     """``pglock status`` as a readable text table."""
     when, errors = snap["server_time"], snap["errors"]
     lines = [
-        f"pglock status: database {snap['database']!r} (PostgreSQL {snap['server_version']}), "
+        f"pglock status: database {snap['database']!r} "
+        f"(PostgreSQL {_visible(snap['server_version'])}), "
         f"{when:%Y-%m-%d %H:%M:%S %Z}".rstrip(),
         "",
     ]
@@ -295,7 +310,7 @@ def render_status(snap: dict[str, Any], *, verbose: bool = False) -> str:
 
 def _error_lines(section: str, error: dict[str, Any]) -> list[str]:
     head = f"{_SECTIONS[section][0]}: not shown: {error['message']}; to show them, run:"
-    return [head] + ["    " + fix for fix in error["fix"]]
+    return [_visible(head)] + ["    " + _visible(fix) for fix in error["fix"]]
 
 
 def _advisory_row(lk: dict[str, Any], same: bool) -> tuple[list[str], bool]:
@@ -316,7 +331,8 @@ def _advisory_row(lk: dict[str, Any], same: bool) -> tuple[list[str], bool]:
             state += " for " + ",".join(str(p) for p in lk["blocked_by"])
     label = "" if same else _cut(lk["label"], 48)
     app = _cut(lk["application_name"] or "", 28)
-    return [label, lk["mode"], state, str(lk["pid"] or "-"), app, client, since], bounded
+    row = [label, _cut(lk["mode"], 16), state, str(lk["pid"] or "-"), app, _cut(client, 60)]
+    return [*row, since], bounded
 
 
 def _advisory_section(locks: list[dict[str, Any]], verbose: bool) -> list[str]:
@@ -349,7 +365,8 @@ def _advisory_section(locks: list[dict[str, Any]], verbose: bool) -> list[str]:
 
 
 def _metadata_cell(metadata: Any) -> str:
-    return _cut(json.dumps(metadata), 40) if metadata is not None else ""
+    # ensure_ascii JSON is printable ASCII: escaping its own escapes would double them.
+    return _cut(json.dumps(metadata), 40, raw=True) if metadata is not None else ""
 
 
 def _lease_section(leases: list[dict[str, Any]]) -> list[str]:

@@ -144,8 +144,9 @@ class DeadlockDetected(LockError):
 
 
 class SelfDeadlock(LockError):
-    """This thread asked for a lock that it already holds through another connection of the
-    same pool, and would wait for itself for ever (docs/pools.md). Refused before any SQL.
+    """This thread asked, without a timeout, for a lock that it already holds through another
+    connection of the same pool, and would wait for itself for ever (docs/pools.md). Refused
+    before any SQL; a try-once or timed request answers False at once instead.
 
     :ivar name: the lock name this thread already holds through the pool.
     :ivar key: its 64-bit key.

@@ -225,6 +225,89 @@ def test_status_watch_refreshes_until_ctrl_c(dsn: str) -> None:
     assert "Traceback" not in err
 
 
+#: Characters no cell may print raw: ANSI sequences (a clear screen, a window title ended by
+#: BEL, a colour), line breaks that would start a forged row, C1 controls, DEL, bidi overrides.
+HOSTILE = "\x1b[2J\x1b]0;pwned\x07\r\n  forged  exclusive  held\t\x85\x7f\u202eevil\x1b[31m\\"
+
+
+def visible(text: str) -> str:
+    """What the table must show for ``text`` (printable ASCII plus HOSTILE's characters)."""
+    return text.encode("unicode_escape").decode()
+
+
+def raw_controls(text: str) -> list[str]:
+    return [c for c in text if not c.isprintable() and c != "\n"]
+
+
+def test_status_escapes_what_the_database_and_other_roles_wrote(
+    dsn: str, open_: Callable[..., psycopg.Connection[Any]], app_name: str
+) -> None:
+    """Lock names (the name registry), lease names, holder ids and metadata, semaphore names,
+    a session's application_name and latest query: whoever wrote them, the table and a --watch
+    frame show every control, format and bidi character (and backslash) as an escape, one row
+    per lock, columns aligned; --json gives the exact strings."""
+    lock_name, lease_name, sem_name = (f"{p}-{uuid.uuid4().hex[:8]}{HOSTILE}" for p in "lqs")
+    lease_holder, metadata = f"h{HOSTILE}", {f"k{HOSTILE}": f"v{HOSTILE}"}
+    holder = open_(dsn, application_name=f"{app_name}{HOSTILE}")
+    observer = open_(dsn)
+    names = (lock_name, lease_name, sem_name)
+    with pglock.pg_lock(holder, lock_name), pglock.lease(
+        dsn, lease_name, ttl=60, holder=lease_holder, metadata=metadata, keepalive=False
+    ) as le, pglock.semaphore(dsn, sem_name, 2, metadata=metadata):
+        holder.execute(f"SELECT 1 /* {HOSTILE} */")  # the session's latest query
+        (app,) = observer.execute(  # Postgres itself cleans application_name (15: '?')
+            "SELECT application_name FROM pg_stat_activity WHERE pid = %s",
+            (holder.info.backend_pid,),
+        ).fetchone() or (None,)
+        table = run_cli("status", "--dsn", dsn, "-v", *names)
+        js = run_cli("status", "--dsn", dsn, "--json", *names)
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "pglock", "status", "--dsn", dsn, "--watch", "0.2", *names],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+        )
+        try:
+            assert watch.stdout is not None
+            frame = [watch.stdout.readline()]  # the first frame: up to the next one's header
+            while not (line := watch.stdout.readline()).startswith("pglock status:"):
+                frame.append(line)
+                assert len(frame) < 100
+            watch.send_signal(signal.SIGINT)
+            rest, _ = watch.communicate(timeout=TIMEOUT)
+        finally:
+            if watch.poll() is None:
+                watch.kill()
+                watch.wait(TIMEOUT)
+        token = le.token
+    assert table.returncode == js.returncode == watch.returncode == 0, table.stderr + js.stderr
+    assert raw_controls(line + rest) == []  # the frames after the first one
+    for out in (table.stdout, "".join(frame)):
+        assert raw_controls(out) == []
+        lines = out.splitlines()
+        (lock_row,) = [ln for ln in lines if ln.startswith("  " + visible(lock_name)[:45])]
+        mode_at = next(ln for ln in lines if ln.startswith("  LOCK")).index("MODE")
+        cells = lock_row[mode_at:].split()[:3]  # columns aligned
+        assert cells == ["exclusive", "held", str(holder.info.backend_pid)], lock_row
+        assert visible(app or "")[:25] in lock_row
+        header = next(ln for ln in lines if ln.startswith("  NAME") and "TOKEN" in ln)
+        (lease_row,) = [ln for ln in lines if ln.startswith("  " + visible(lease_name)[:45])]
+        assert lease_row[header.index("TOKEN"):].split()[0] == str(token)  # columns aligned
+        assert visible(lease_holder)[:29] in lease_row
+        assert lease_row.endswith(json.dumps(metadata)[:37] + "...")  # JSON's escapes, once
+        assert [ln for ln in lines if ln.startswith("  " + visible(sem_name)[:45])]
+    (query,) = [ln for ln in table.stdout.splitlines() if "query: SELECT 1" in ln]
+    assert "\\x1b]0;pwned\\x07" in query and "\\u202eevil" in query
+    doc = json.loads(js.stdout)
+    (lock,) = doc["advisory_locks"]
+    assert (lock["name"], lock["application_name"]) == (lock_name, app)
+    assert lock["query"] == f"SELECT 1 /* {HOSTILE} */"
+    (lease,) = doc["leases"]
+    assert (lease["name"], lease["holder"], lease["metadata"]) == (lease_name, lease_holder,
+                                                                   metadata)
+    (sem,) = doc["semaphores"]
+    assert sem["name"] == sem_name and [h["metadata"] for h in sem["holders"]] == [metadata]
+
+
 # --- exit codes -------------------------------------------------------------------------------
 
 

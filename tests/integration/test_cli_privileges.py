@@ -23,6 +23,7 @@ from typing import Any
 import psycopg
 import pytest
 from _pgdb import throwaway_database, with_params
+from psycopg import sql
 
 import pglock
 from pglock import _lease, cli
@@ -224,3 +225,37 @@ def test_semaphores_without_select_is_a_permission_error_not_a_missing_schema(
             pglock.semaphores(conn)
         with pytest.raises(pglock.SchemaNotInstalled):
             pglock.semaphores(conn, schema="pglock_nowhere")
+
+
+def test_a_role_name_with_control_characters_is_escaped_in_the_table_and_exact_in_json(
+    db: str, pg_dsn: str, app_name: str, held: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The role's name goes into the "not shown" lines and their GRANTs: escaped in the table
+    (no raw ESC, line break or bidi override), exact in --json, where the GRANT still runs."""
+    role = f"pglock_mon_{uuid.uuid4().hex[:8]}\x1b[2J\n  forged\u202e"
+    ident = sql.Identifier(role)
+    with psycopg.connect(db, autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(ident))
+    try:
+        dsn = with_params(db, user=role, application_name=app_name)
+        assert cli.main(["status", "--dsn", dsn, *held.values()]) == 0
+        out = capsys.readouterr().out
+        assert [c for c in out if not c.isprintable() and c != "\n"] == []
+        quoted = '"' + role.encode("unicode_escape").decode() + '"'
+        assert f"Leases: not shown: role {quoted} may not " in out
+        assert f"    GRANT USAGE ON SCHEMA pglock TO {quoted};" in out.splitlines()
+        assert cli.main(["status", "--dsn", dsn, "--json", *held.values()]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        fix = doc["errors"]["leases"]["fix"][0]
+        assert fix == f'GRANT USAGE ON SCHEMA pglock TO "{role}";'
+        with psycopg.connect(db, autocommit=True) as admin:
+            admin.execute(fix)  # the exact statement: it runs as --json prints it
+            admin.execute(sql.SQL("DROP OWNED BY {}").format(ident))
+    finally:
+        with psycopg.connect(pg_dsn, autocommit=True) as admin:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+                (role,),
+            )
+            admin.execute(sql.SQL("DROP ROLE {}").format(ident))

@@ -235,6 +235,27 @@ def test_a_second_acquire_on_a_held_object(kind: Kind, env: Env, name: str) -> N
     assert free(kind, env, name)
 
 
+def test_a_second_object_in_the_same_thread_answers_false(
+    kind: Kind, env: Env, name: str
+) -> None:
+    """pals ``test_same_lock_fails_acquire``, ``test_context_manager`` and kazoo
+    ``test_lock_non_blocking``: while one object holds the name, another object of the same
+    kind in the same thread answers False to a try-once and to a timed attempt (through a
+    pool at once: only this thread could release it, docs/pools.md), its ``with`` raises
+    LockNotAcquired, and it takes the name once the first lets go."""
+    first, second = kind.make(env, name, DEFAULT), kind.make(env, name, 0)
+    with first:
+        assert second.acquire(blocking=False) is False
+        assert second.acquire(timeout=0) is False
+        assert second.acquire(timeout=0.2) is False
+        with pytest.raises(pglock.LockNotAcquired), second:
+            pytest.fail("the body ran without the lock")
+        assert second.locked is False and first.locked is True
+    assert second.acquire(blocking=False) is True
+    second.release()
+    assert free(kind, env, name)
+
+
 def test_the_body_exception_is_not_masked(kind: Kind, env: Env, name: str) -> None:
     lock = kind.make(env, name, DEFAULT)
     with pytest.raises(KeyError, match="from the body"), lock:

@@ -301,7 +301,7 @@ def nested_blocks(locker: pglock.Locker, name: str) -> dict[str, Callable[[], An
 
 @pytest.mark.parametrize("inner", ["lock", "lock_timeout", "shared", "rwlock_read", "rwlock_write"])
 @pytest.mark.parametrize("outer", ["lock", "rwlock_read"])
-def test_nesting_a_name_through_the_locker_is_refused_at_once(
+def test_nesting_a_name_through_the_locker_is_answered_at_once(
     pg_dsn: str,
     app_name: str,
     other: psycopg.Connection[Any],
@@ -310,8 +310,9 @@ def test_nesting_a_name_through_the_locker_is_refused_at_once(
     inner: str,
 ) -> None:
     """``with locker.lock("x"): with locker.lock("x"):`` waited for itself for ever (the
-    inner block checks out another connection, another session). pglock refuses it before
-    any SQL with SelfDeadlock, whatever the timeout and mode, across lock() and rwlock()."""
+    inner block checks out another connection, another session). pglock answers before any
+    SQL, in every mode, across lock() and rwlock(): SelfDeadlock for a wait without a
+    timeout, LockNotAcquired (caused by SelfDeadlock) for a timed one."""
     locker = pglock.Locker(
         pg_dsn, namespace=ns, pool_kwargs={"max_size": 2, "kwargs": {"application_name": app_name}}
     )
@@ -319,11 +320,13 @@ def test_nesting_a_name_through_the_locker_is_refused_at_once(
         blocks = nested_blocks(locker, "x")
         with blocks[outer]() as conn:
             pid = conn.info.backend_pid
-            with pytest.raises(pglock.SelfDeadlock, match="wait for itself") as info, blocks[
-                inner
-            ]():
+            with pytest.raises(pglock.LockError) as info, blocks[inner]():
                 pytest.fail("the nested body ran")
-            assert info.value.name == f"{ns}:x"
+            timed = inner in ("lock_timeout", "rwlock_write")
+            error = info.value.__cause__ if timed else info.value
+            assert type(info.value) is (pglock.LockNotAcquired if timed else pglock.SelfDeadlock)
+            assert isinstance(error, pglock.SelfDeadlock) and "wait for itself" in str(error)
+            assert error.name == f"{ns}:x"
             assert holders(other, f"{ns}:x") == [pid]
         assert holders(other, f"{ns}:x") == []
         with locker.lock("x", timeout=0):  # free again once the outer block is left

@@ -7,6 +7,7 @@ another session.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -18,6 +19,7 @@ import psycopg
 import psycopg_pool
 import pytest
 from _counter import run_counter
+from _truth import holder_pids
 from psycopg import sql
 
 import pglock
@@ -427,7 +429,7 @@ def test_release_deferred_in_the_block_is_done_before_the_connection_goes_back(
 
 @pytest.mark.parametrize("timeout", [None, 0, 2.0])
 @pytest.mark.parametrize("modes", [(False, False), (False, True), (True, False), (True, True)])
-def test_nesting_the_same_name_through_the_pool_is_refused_at_once(
+def test_nesting_the_same_name_through_the_pool_is_answered_at_once(
     make_pool: MakePool,
     other: psycopg.Connection[Any],
     name: str,
@@ -435,21 +437,31 @@ def test_nesting_the_same_name_through_the_pool_is_refused_at_once(
     modes: tuple[bool, bool],
 ) -> None:
     """Nested pool_lock on the same name in one thread: the inner block would check out
-    another connection and wait for the outer one's lock for ever. pglock refuses it before
-    any checkout or SQL, whatever the timeout (shared + shared too: it waits for itself as
-    soon as a writer queues in between)."""
+    another connection and wait for the outer one's lock, which only this thread can release.
+    pglock answers before any checkout or SQL (shared + shared too: it waits for itself as
+    soon as a writer queues in between): a wait without a timeout, which could never end,
+    raises SelfDeadlock; a try-once or a timed attempt answers False (``with``:
+    LockNotAcquired), as a second session would get (pals ``test_same_lock_fails_acquire``)."""
     outer_shared, inner_shared = modes
     pool = make_pool(size=2)
     with pglock.pool_lock(pool, name, shared=outer_shared) as conn:
         pid = conn.info.backend_pid
         before = pool.get_stats().get("requests_num", 0)
-        with pytest.raises(pglock.LockError, match="reuse the connection") as info, (
-            pglock.pool_lock(pool, [f"{name}:other", name], shared=inner_shared, timeout=timeout)
-        ):
+        inner = pglock.pool_lock(pool, [f"{name}:other", name], shared=inner_shared,
+                                 timeout=timeout)
+        with pytest.raises(pglock.LockError) as info, inner:
             pytest.fail("the nested body ran")
-        assert isinstance(info.value, pglock.SelfDeadlock)  # not LockNotAcquired after a wait
-        assert info.value.name == name and info.value.key == pglock.key(name)
-        assert pool.get_stats().get("requests_num", 0) == before  # no checkout was made
+        cause = info.value if timeout is None else info.value.__cause__
+        assert type(info.value) is (pglock.SelfDeadlock if timeout is None
+                                    else pglock.LockNotAcquired)
+        assert isinstance(cause, pglock.SelfDeadlock) and "reuse the connection" in str(cause)
+        assert cause.name == name and cause.key == pglock.key(name)
+        if timeout is not None:
+            assert "this thread holds it through this pool" in str(info.value)
+            assert not inner.locked
+            assert inner.acquire(timeout=timeout) is False
+            assert inner.acquire(blocking=False) is False
+        assert pool.get_stats().get("requests_num", 0) == before  # no checkout: no wait
         mode = "ShareLock" if outer_shared else "ExclusiveLock"
         assert advisory_held(other, pid) == [(pglock.key(name), mode)]
         # The advice works: the yielded connection re-enters.
@@ -498,6 +510,76 @@ def test_two_threads_nesting_the_same_name_still_wait_for_each_other(
     t.join(10)
     assert not waiter_error, waiter_error
     assert len(got) == 1
+
+
+#: Every lock object that holds a name through a pool (source, name) -> an unheld lock object.
+POOLED: dict[str, Callable[[Any, str], Any]] = {
+    "pool_lock": lambda source, n: pglock.pool_lock(source, n),
+    "locker": lambda source, n: pglock.Locker(source).lock(n),
+    "rwlock_write": lambda source, n: pglock.rwlock(source, n).write(),
+    "rwlock_read": lambda source, n: pglock.rwlock(source, n).read(),
+    "singleton": lambda source, n: pglock.singleton(source, n, timeout=None),
+}
+
+
+def wait_free(observer: psycopg.Connection[Any], name: str) -> None:
+    """Until no session holds ``name`` (a closed connection's backend exits a moment later)."""
+    deadline = time.monotonic() + 10  # bounded
+    while holder_pids(observer, name) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert holder_pids(observer, name) == []
+
+
+@pytest.mark.parametrize("make", POOLED.values(), ids=POOLED.keys())
+def test_a_lock_object_collected_unreleased_leaves_no_record(
+    make_pool: MakePool, other: psycopg.Connection[Any], name: str, make: Callable[..., Any]
+) -> None:
+    """pals ``test_gc_lock_release``: a held lock object dropped without release and
+    collected. Its connection goes with it (psycopg closes it; the session ends and Postgres
+    gives the lock back), and so does this thread's record: the name is not refused for ever.
+    psycopg_pool never learns of the connection: the pool is one connection short for good."""
+    pool = make_pool(size=2)
+    lock = make(pool, name)
+    assert lock.acquire() is True
+    assert len(holder_pids(other, name)) == 1
+    del lock
+    gc.collect()
+    wait_free(other, name)
+    again = make(pool, name)
+    assert again.acquire(blocking=False) is True
+    assert len(holder_pids(other, name)) == 1
+    again.release()
+    with make(pool, name):  # a wait without a timeout is not refused either
+        assert len(holder_pids(other, name)) == 1
+    kept = pool.getconn()  # the one connection the pool still has
+    try:
+        with pytest.raises(psycopg_pool.PoolTimeout):
+            pool.getconn(timeout=0.1)
+    finally:
+        pool.putconn(kept)
+
+
+def test_the_record_stays_while_the_collected_lock_objects_connection_holds(
+    make_pool: MakePool, other: psycopg.Connection[Any], name: str
+) -> None:
+    """The record goes with the lock, not with the lock object: dropped while the caller
+    still has its connection, the session (and the lock) live on, and a nested request would
+    still wait for this thread's own lock. Once the connection is collected too, it goes."""
+    pool = make_pool(size=2)
+    lock = pglock.pool_lock(pool, name)
+    assert lock.acquire() is True
+    conn = lock.connection
+    del lock
+    gc.collect()
+    assert holder_pids(other, name) == [conn.info.backend_pid]
+    assert pglock.pool_lock(pool, name).acquire(blocking=False) is False
+    with pytest.raises(pglock.SelfDeadlock), pglock.pool_lock(pool, name):
+        pytest.fail("the nested body ran")
+    del conn
+    gc.collect()
+    wait_free(other, name)
+    with pglock.pool_lock(pool, name, timeout=None) as c:
+        assert holder_pids(other, name) == [c.info.backend_pid]
 
 
 # --- bad input ---------------------------------------------------------------------------------

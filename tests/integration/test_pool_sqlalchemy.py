@@ -6,6 +6,7 @@ by pid) unless pglock had the connection invalidated.
 
 from __future__ import annotations
 
+import gc
 import logging
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,9 +17,11 @@ import pytest
 import sqlalchemy as sa
 from _counter import run_counter
 from _pgdb import sa_url
+from _truth import holder_pids
 from psycopg import sql
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import QueuePool
+from test_pool import POOLED, wait_free
 
 import pglock
 import pglock.sqlalchemy
@@ -390,12 +393,12 @@ def test_lock_left_open_in_the_block_is_released_before_the_connection_goes_back
 
 
 @pytest.mark.parametrize("inner", ["pool_lock", "options_engine", "locked_session"])
-def test_nesting_the_same_name_through_the_engine_is_refused_at_once(
+def test_nesting_the_same_name_through_the_engine_is_answered_at_once(
     make_engine: MakeEngine, other: psycopg.Connection[Any], name: str, inner: str
 ) -> None:
     """Nested on the same engine's pool in one thread (also through an engine made by
-    execution_options(), which shares the pool, and locked_session): SelfDeadlock before
-    any checkout, instead of waiting for itself."""
+    execution_options(), which shares the pool, and locked_session), before any checkout:
+    SelfDeadlock for a wait without a timeout, LockNotAcquired for a timed one."""
     engine = make_engine(size=2)
 
     def nested() -> Any:
@@ -408,11 +411,76 @@ def test_nesting_the_same_name_through_the_engine_is_refused_at_once(
     with pglock.sqlalchemy.locked_session(engine, name) as session:
         pid = pid_of(session)
         checked_out = engine.pool.checkedout()
-        with pytest.raises(pglock.SelfDeadlock), nested():
+        with pytest.raises(pglock.LockError) as info, nested():
             pytest.fail("the nested body ran")
+        expected = pglock.SelfDeadlock if inner == "pool_lock" else pglock.LockNotAcquired
+        assert type(info.value) is expected
         assert engine.pool.checkedout() == checked_out  # no second connection was taken
         assert advisory_held(other, pid) == [(pglock.key(name), "ExclusiveLock")]
     assert advisory_held(other, pid) == []
+
+
+@pytest.mark.parametrize("make", POOLED.values(), ids=POOLED.keys())
+def test_a_lock_object_collected_unreleased_leaves_no_record(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str, make: Callable[..., Any]
+) -> None:
+    """pals ``test_gc_lock_release`` through an Engine: SQLAlchemy's pool takes the collected
+    connection back (rolled back); release_on_checkin releases the lock there, and this
+    thread's record goes with it: the same thread takes the name again on that connection."""
+    engine = make_engine(size=1)
+    lock = make(engine, name)
+    assert lock.acquire() is True
+    [pid] = holder_pids(other, name)
+    del lock
+    gc.collect()
+    assert holder_pids(other, name) == []  # the pool's reset ran during the collection
+    again = make(engine, name)
+    assert again.acquire(blocking=False) is True
+    assert holder_pids(other, name) == [pid]  # the same connection, back in the pool
+    again.release()
+    with make(engine, name):  # a wait without a timeout is not refused either
+        assert holder_pids(other, name) == [pid]
+
+
+def test_without_the_hook_a_collected_lock_object_leaks_its_lock_and_keeps_its_record(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    """Without release_on_checkin the collected connection goes back to SQLAlchemy's pool
+    still holding the lock (only rolled back): the lock is held, so the record stays."""
+    engine = make_engine(size=1, hook=False)
+    lock = pglock.pool_lock(engine, name)
+    assert lock.acquire() is True
+    [pid] = holder_pids(other, name)
+    del lock
+    gc.collect()
+    assert engine.pool.checkedout() == 0 and holder_pids(other, name) == [pid]
+    assert pglock.pool_lock(engine, name).acquire(blocking=False) is False
+    with pytest.raises(pglock.SelfDeadlock), pglock.pool_lock(engine, name):
+        pytest.fail("the nested body ran")
+    engine.dispose()  # closes the pooled connection: Postgres drops its lock
+    wait_free(other, name)
+
+
+def test_the_record_stays_while_the_collected_lock_objects_connection_holds(
+    make_engine: MakeEngine, other: psycopg.Connection[Any], name: str
+) -> None:
+    """Dropped while the caller keeps its SQLAlchemy Connection, the lock is still held and
+    so is the record; closing that connection hands it to the pool's reset, which releases
+    the lock, and the record goes."""
+    engine = make_engine(size=1)
+    lock = pglock.pool_lock(engine, name)
+    assert lock.acquire() is True
+    conn = lock.connection
+    del lock
+    gc.collect()
+    [pid] = holder_pids(other, name)
+    assert pglock.pool_lock(engine, name).acquire(blocking=False) is False
+    with pytest.raises(pglock.SelfDeadlock), pglock.pool_lock(engine, name):
+        pytest.fail("the nested body ran")
+    conn.close()
+    assert holder_pids(other, name) == []
+    with pglock.pool_lock(engine, name, timeout=None):
+        assert holder_pids(other, name) == [pid]
 
 
 # --- locked_session ----------------------------------------------------------------------------

@@ -242,8 +242,10 @@ def test_singleton_is_a_lock_object(
 ) -> None:
     job = pglock.singleton(pool, name)
     assert job.acquire() is True and job.locked
-    with pytest.raises(pglock.SelfDeadlock):  # a run in this thread would wait for itself
-        job.run(lambda: "ran")
+    # A run in this thread is refused at once (timeout 0: skipped, as held elsewhere).
+    assert job.run(lambda: "ran") is None
+    with pytest.raises(pglock.SelfDeadlock):  # waiting for itself would never end
+        pglock.singleton(pool, name, timeout=None).run(lambda: "ran")
     other: list[object] = []
     t = threading.Thread(target=lambda: other.append(job.run(lambda: "ran")))
     t.start()

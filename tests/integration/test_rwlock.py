@@ -13,6 +13,7 @@ from typing import Any
 import psycopg
 import pytest
 from _pgdb import sa_url
+from _threads import in_thread, started
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
@@ -300,11 +301,46 @@ def test_nesting(conn: psycopg.Connection[Any], pool: ConnectionPool[Any], name:
     with rw.read(), pytest.raises(pglock.LockError, match="upgrad"), rw.write():
         pass
     pooled = pglock.rwlock(pool, name)
-    with pooled.read(), pytest.raises(pglock.LockError, match="wait for itself"), pooled.read():
+    with pooled.read(), pytest.raises(pglock.SelfDeadlock, match="wait for itself"), pooled.read():
         pass
     with pooled.write():  # not nested any more
         pass
     assert lock_rows(conn, name) == []
+
+
+def test_pooled_read_lock_not_reentrant_shared_with_others_excludes_writers(
+    pool: ConnectionPool[Any], connect: Connect, name: str
+) -> None:
+    """kazoo ``test_read_lock`` and ``test_write_lock`` through a pool, non-blocking: a second
+    read or a write by the same thread answers False (it holds the name through another
+    connection); another thread shares the read lock and cannot write; the writer excludes."""
+    rw, observer = pglock.rwlock(pool, name), connect()
+    read = rw.read()
+    assert read.acquire(blocking=False) is True and read.locked
+    assert rw.read().acquire(blocking=False) is False  # still not re-entrant
+    assert rw.write().acquire(blocking=False) is False  # nor an upgrade
+    assert rw.write(timeout=0.5).acquire() is False  # a timed one answers at once too
+    entered, leave = threading.Event(), threading.Event()
+
+    def second_reader() -> bool:
+        with rw.read(timeout=0):
+            entered.set()
+            return leave.wait(20)
+
+    second = started(second_reader)
+    assert entered.wait(20)
+    assert sorted(m for _, m, _ in lock_rows(observer, name)) == ["ShareLock", "ShareLock"]
+    assert in_thread(lambda: rw.write().acquire(blocking=False)) is False
+    leave.set()
+    assert second() is True
+    read.release()
+    write = rw.write()
+    assert write.acquire(blocking=False) is True
+    assert rw.read().acquire(blocking=False) is False
+    assert in_thread(lambda: rw.read().acquire(blocking=False)) is False
+    assert [m for _, m, _ in lock_rows(observer, name)] == ["ExclusiveLock"]
+    write.release()
+    assert lock_rows(observer, name) == []
 
 
 def test_locker_namespace_and_engine(pg_dsn: str, app_name: str, connect: Connect) -> None:
