@@ -1,12 +1,12 @@
 """The keepalive: one scheduler thread renewing every grant of the process (:class:`Held`) in
-batches, a renewal worker per (source, schema), and the thread that runs users' callbacks."""
+batches, a renewal worker per (source, schema), and the threads that run users' callbacks and
+telemetry."""
 
 from __future__ import annotations
 
 import logging
 import math
 import os
-import queue
 import threading
 import time
 from collections import deque
@@ -211,36 +211,60 @@ class _Keepalive:
 
 
 class _Callbacks:
-    """pglock's thread for the user's callbacks (``on_lost``): never the caller's thread, which
-    may hold a lock the callback takes, nor the keepalive's, which must not wait on them."""
+    """A thread of pglock's running the functions queued for it, in order: the user's callbacks
+    (``on_lost``), never in the caller's thread, which may hold a lock the callback takes, nor
+    the keepalive's, which must not wait on them; in another one, telemetry (a slow exporter
+    delays no lock call, renewal or callback)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "pglock-callbacks", bound: float = math.inf,
+                 delay: float = 0.0) -> None:
+        self.name, self.bound, self.delay = name, bound, delay  # beyond ``bound``: dropped
+        self.dropped = 0
+        self.urgent = False  # a flush waits: no delay
         self.lock = threading.Lock()
-        self.queue: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
+        self.ready = threading.Condition(self.lock)
+        self.queue: deque[Callable[[], object]] = deque()
         self.thread: threading.Thread | None = None
 
-    def call(self, fn: Callable[[], object]) -> None:
-        self.queue.put(fn)
+    def call(self, fn: Callable[[], object], bound: float | None = None) -> int:
+        """Queue ``fn``: 0, or when ``bound`` (default the queue's) wait already, the number
+        of functions dropped so far, this one included."""
         with self.lock:
+            if len(self.queue) >= (self.bound if bound is None else bound):
+                self.dropped += 1
+                return self.dropped
+            self.queue.append(fn)
             if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="pglock-callbacks",
-                                               daemon=True)
+                self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self.thread.start()
+            elif len(self.queue) == 1:
+                self.ready.notify()
+        return 0
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until what was queued before has run (False: not within ``timeout`` s)."""
+        done = threading.Event()
+        self.call(done.set, math.inf)
+        with self.lock:
+            self.urgent = True
+            self.ready.notify()
+        return done.wait(timeout)
 
     def _run(self) -> None:
         while True:
-            try:
-                fn = self.queue.get(timeout=_WORKER_IDLE)
-            except queue.Empty:
-                with self.lock:
-                    if self.queue.empty():
+            with self.lock:
+                if not self.queue:
+                    if not self.ready.wait(_WORKER_IDLE) and not self.queue:
                         self.thread = None
                         return
-                continue
-            try:
-                fn()
-            except Exception:
-                logger.exception("a pglock callback raised")
+                    if self.delay and not self.urgent:  # let a batch gather: a thread switch
+                        self.ready.wait(self.delay)  # per call costs more than recording it
+                self.urgent = False
+            while self.queue:
+                try:
+                    self.queue.popleft()()
+                except Exception:
+                    logger.exception("a pglock callback raised")
 
 
 def call_soon(fn: Callable[[], object]) -> None:
@@ -248,16 +272,19 @@ def call_soon(fn: Callable[[], object]) -> None:
     callbacks.call(fn)
 
 
-#: The process's keepalive and callback thread (new ones after a fork: the parent's grants
-#: stay the parent's, the child must not renew them).
+#: The process's keepalive, callback and telemetry threads (new ones after a fork: the
+#: parent's grants stay the parent's, the child must not renew them). Telemetry queues at most
+#: 10000 recordings (docs/observability.md), recorded in batches 50 ms after the first.
 scheduler = _Keepalive()
 callbacks = _Callbacks()
+telemetry = _Callbacks("pglock-telemetry", 10_000, 0.05)
 
 
 def _after_fork_in_child() -> None:
-    global scheduler, callbacks
+    global scheduler, callbacks, telemetry
     scheduler = _Keepalive()
     callbacks = _Callbacks()
+    telemetry = _Callbacks("pglock-telemetry", 10_000, 0.05)
 
 
 if hasattr(os, "register_at_fork"):

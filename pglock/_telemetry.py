@@ -5,6 +5,10 @@ Off means nothing installed: the lock classes run their own methods. Enabling sw
 methods in on those classes (and on ``pglock._xact.xact_acquire``); disabling swaps the
 originals back. ``opentelemetry`` is imported only here, inside :func:`configure_telemetry`.
 
+The wrappers capture values (clocks, names, tokens, the OpenTelemetry context) and queue them:
+the SDK and the application's ``name_label`` run on pglock's telemetry thread, so that a slow
+or failing exporter delays no lock call, renewal or callback. A full queue drops what comes.
+
 Locks built on other locks (an rwlock or a singleton on a ``pg_lock`` or a ``pool_lock``, a
 ``pool_lock`` on a ``pg_lock``, a leader's campaign) are recorded once, by the outermost
 acquire of the thread, under its kind; the hold is timed by the lock that really holds (the
@@ -22,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import _keepalive
 from .errors import DeadlockDetected, LockLost, LockNotAcquired
 
 logger = logging.getLogger("pglock.telemetry")
@@ -37,7 +42,7 @@ _BUCKETS = (
     60.0, 300.0,
 )
 
-#: The hold in progress on a lock object (``_HOLD``): (perf_counter at the grant, attributes).
+#: The hold in progress on a lock object (``_HOLD``): (perf_counter at the grant, _Series).
 _HOLD = "_pglock_telemetry_hold"
 #: A lease whose loss was counted when it was found (its release's LockLost is not counted).
 _COUNTED = "_pglock_telemetry_lost"
@@ -48,6 +53,8 @@ _state: _State | None = None
 #: What enabling replaced: (owner, attribute, the owner's own value or _ABSENT).
 _replaced: list[tuple[Any, str, Any]] = []
 _ABSENT = object()
+#: The failures logged at WARNING since telemetry was enabled (the next ones are DEBUG).
+_warned: set[str] = set()
 
 
 def configure_telemetry(
@@ -63,8 +70,10 @@ def configure_telemetry(
     Needs ``pip install "pglock[otel]"`` (``opentelemetry-api``) and, for anything to be
     exported, an OpenTelemetry SDK configured by the application. Until this is called pglock
     records nothing and its lock methods are untouched; calling it again replaces the settings.
+    Recording runs on a thread of pglock's, just after the lock call.
 
-    :param enabled: False turns telemetry off again (the lock classes' own methods back).
+    :param enabled: False turns telemetry off again (the lock classes' own methods back) and
+        waits up to 5 s until what was queued is recorded.
     :param name_label: maps a lock name to a low-cardinality label put on metrics as
         ``pglock.lock.name`` (None from it: no name attribute). Default: no name on metrics.
         Spans always carry the name.
@@ -92,6 +101,7 @@ def configure_telemetry(
         if not enabled:
             _state = None
             _uninstall()
+            flush(5.0)
             return
         try:
             from opentelemetry import metrics, trace
@@ -108,8 +118,14 @@ def configure_telemetry(
         meter = meter_provider.get_meter("pglock", version)
         tracer = tracer_provider.get_tracer("pglock", version)
         _state = _State(meter, tracer, name_label, float(span_threshold))
+        _warned.clear()
         if not _replaced:
             _install()
+
+
+def flush(timeout: float) -> bool:
+    """Wait until what was queued is recorded (False: not within ``timeout`` seconds)."""
+    return _keepalive.telemetry.flush(timeout)
 
 
 class _State:
@@ -119,11 +135,13 @@ class _State:
         self, meter: Any, tracer: Any, name_label: Callable[[str], str | None] | None,
         threshold: float,
     ) -> None:
+        from opentelemetry.context import get_current
         from opentelemetry.trace import Status, StatusCode
 
         self.tracer = tracer
         self.name_label = name_label
         self.threshold = threshold
+        self.context: Callable[[], Any] = get_current
         self.error_status: Callable[[str], Any] = lambda what: Status(StatusCode.ERROR, what)
         self.wait = _histogram(
             meter, "pglock.lock.wait.duration",
@@ -132,53 +150,33 @@ class _State:
         self.hold = _histogram(
             meter, "pglock.lock.hold.duration", "Time from a grant to its release."
         )
-        self.acquisitions = meter.create_counter(
-            "pglock.lock.acquisitions", unit="{acquisition}", description="Locks granted."
-        )
-        self.timeouts = meter.create_counter(
-            "pglock.lock.timeouts", unit="{timeout}",
-            description="Acquires that ended without the lock (LockNotAcquired, or False).",
-        )
+        self.counted = {  # the counter of each outcome that has one
+            "acquired": meter.create_counter(
+                "pglock.lock.acquisitions", unit="{acquisition}", description="Locks granted."
+            ),
+            "timeout": meter.create_counter(
+                "pglock.lock.timeouts", unit="{timeout}",
+                description="Acquires that ended without the lock (LockNotAcquired, or False).",
+            ),
+            "deadlock": meter.create_counter(
+                "pglock.lock.deadlocks", unit="{deadlock}",
+                description="Waits that Postgres broke as a deadlock (DeadlockDetected).",
+            ),
+        }
         self.losses = meter.create_counter(
             "pglock.lock.losses", unit="{loss}",
             description="Held locks found lost (LockLost): expired, taken over, session ended.",
         )
-        self.deadlocks = meter.create_counter(
-            "pglock.lock.deadlocks", unit="{deadlock}",
-            description="Waits that Postgres broke as a deadlock (DeadlockDetected).",
-        )
         self.waiters = meter.create_up_down_counter(
             "pglock.lock.waiters", unit="{waiter}", description="Threads waiting in acquire() now."
         )
-        self._plain: dict[str, dict[str, str]] = {}
-        self._warned = False
-
-    def attrs(self, kind: str, name: Callable[[], str]) -> dict[str, str]:
-        """The metric attributes of a lock of ``kind``; ``name()`` only with a name_label."""
-        label_of = self.name_label
-        if label_of is None:
-            plain = self._plain.get(kind)
-            if plain is None:
-                plain = self._plain.setdefault(kind, {KIND: kind})
-            return plain
-        attrs = {KIND: kind}
-        try:
-            label = label_of(name())
-        except Exception:
-            if not self._warned:
-                self._warned = True
-                logger.warning("pglock telemetry: name_label raised; no name attribute",
-                               exc_info=True)
-            return attrs
-        if label is not None:
-            attrs[NAME] = str(label)
-        return attrs
 
     def span(
         self, span_name: str, start_ns: int, end_ns: int, attributes: dict[str, Any],
-        exc: BaseException | None = None, error: str | None = None,
+        context: Any, exc: BaseException | None = None, error: str | None = None,
     ) -> None:
-        span = self.tracer.start_span(span_name, start_time=start_ns, attributes=attributes)
+        span = self.tracer.start_span(span_name, context=context, start_time=start_ns,
+                                      attributes=attributes)
         if exc is not None:
             span.record_exception(exc)
         if error is not None:
@@ -194,6 +192,32 @@ def _histogram(meter: Any, name: str, description: str) -> Any:
         )
     except TypeError:  # opentelemetry-api before 1.23: no advice
         return meter.create_histogram(name, unit="s", description=description)
+
+
+def _emit(record: Callable[..., object], *args: Any) -> bool:
+    """Queue ``record(*args)`` for the telemetry thread (False: the queue was full)."""
+    dropped = _keepalive.telemetry.call(functools.partial(_quietly, record, *args))
+    if dropped:
+        logger.log(logging.WARNING if dropped == 1 else logging.DEBUG,
+                   "pglock telemetry: its queue is full (a stuck exporter?), %d recordings "
+                   "dropped so far (the lock is unaffected)", dropped)
+    return not dropped
+
+
+def _quietly(record: Callable[..., object], *args: Any) -> None:
+    """Run ``record(*args)`` on the telemetry thread: an error of the SDK, or of the
+    application's span processor, exporter or name_label, is logged, never raised; the thread
+    goes on even after a BaseException (an exporter's CancelledError)."""
+    try:
+        record(*args)
+    except BaseException:
+        _log_once("failed", "pglock telemetry: recording failed (the lock is unaffected)")
+
+
+def _log_once(what: str, message: str) -> None:
+    level = logging.DEBUG if what in _warned else logging.WARNING
+    _warned.add(what)
+    logger.log(level, message, exc_info=True)
 
 
 # What each lock kind tells spans: its names, keys, holder id and fencing token.
@@ -234,31 +258,44 @@ def _lease_info(obj: Any) -> dict[str, Any]:
     return _span_attrs([obj._name], holder=obj._holder, token=obj._token)
 
 
-def _semaphore_info(obj: Any, permit: Any = None) -> dict[str, Any]:
-    return _span_attrs([obj._name], holder=None if permit is None else permit.holder)
+class _Series:
+    """The metric series of an acquire and of the hold it begins: its kind and the lock's name."""
 
+    __slots__ = ("_attrs", "claimed", "kind", "name")
 
-class _Outer:
-    """The outermost acquire running in this thread (inner locks record nothing of their own)."""
-
-    __slots__ = ("attrs", "claimed")
-
-    def __init__(self, attrs: dict[str, str]) -> None:
-        self.attrs = attrs
+    def __init__(self, kind: str, name: str) -> None:
+        self.kind, self.name = kind, name
         self.claimed = False  # an inner lock that holds took the hold over
+        self._attrs: dict[str, str] | None = None
+
+    def attrs(self, st: _State) -> dict[str, str]:
+        """Its metric attributes, labelled once, on the telemetry thread (the name_label is the
+        application's code)."""
+        if self._attrs is None:
+            try:
+                label = None if st.name_label is None else st.name_label(self.name)
+            except Exception:
+                _log_once("name_label", "pglock telemetry: name_label raised; no name attribute")
+                label = None
+            self._attrs = {KIND: self.kind} if label is None else {KIND: self.kind,
+                                                                   NAME: str(label)}
+        return self._attrs
 
 
 def _wait(
-    st: _State, kind: str, attrs: dict[str, str], info: Callable[[Any], dict[str, Any]],
-    obj: Any, call: Callable[[], Any], extra: Callable[[Any, Any], dict[str, Any]] | None = None,
+    st: _State, series: _Series, obj: Any, call: Callable[[], Any],
+    info: Callable[[Any], dict[str, Any]],
+    extra: Callable[[Any, Any], dict[str, Any]] | None = None,
 ) -> Any:
-    """Run one acquire ``call()`` as the outermost of the thread and record it."""
-    outer = _local.outer = _Outer(attrs)
+    """Run one acquire ``call()``, the outermost of the thread (other acquires in it record
+    nothing of their own), and queue its recording. A leader's campaign round records a wait
+    only when it wins the lock or fails (a follower retries every interval)."""
+    _local.outer = series
     start_ns = time.time_ns()
     t0 = time.perf_counter()
-    _quietly(lambda: st.waiters.add(1, attrs))
-    exc: BaseException | None = None
+    begun = _emit(_waiting, st, series)
     result: Any = None
+    exc: BaseException | None = None
     try:
         result = call()
         return result
@@ -268,67 +305,63 @@ def _wait(
     finally:
         _local.outer = None
         elapsed = time.perf_counter() - t0
-        _quietly(lambda: st.waiters.add(-1, attrs))
-        _quietly(lambda: _record_wait(
-            st, kind, attrs, info, obj, result, exc, start_ns, elapsed, outer, extra
-        ))
+        kind, error = series.kind, None
+        if exc is None and result:
+            outcome: str | None = "acquired"
+            if not series.claimed and kind != "xact":
+                setattr(result if kind == "semaphore" else obj, _HOLD, (time.perf_counter(),
+                                                                       series))
+                if kind == "lease":
+                    obj.__dict__.pop(_COUNTED, None)
+        elif exc is None or isinstance(exc, LockNotAcquired):
+            outcome = None if kind == "leader" else "timeout"
+        else:
+            outcome = error = "deadlock" if isinstance(exc, DeadlockDetected) else "error"
+        span = None
+        if elapsed >= st.threshold and outcome is not None and not (error and kind == "leader"):
+            attrs = {KIND: kind, OUTCOME: outcome, **info(obj)}
+            if extra is not None and outcome == "acquired":
+                attrs.update(extra(obj, result))
+            span = (start_ns, start_ns + int(elapsed * 1e9), attrs, st.context(), exc, error)
+        _emit(_record_wait, st, series, begun, outcome, elapsed, span)
+
+
+def _waiting(st: _State, series: _Series) -> None:
+    st.waiters.add(1, series.attrs(st))
 
 
 def _record_wait(
-    st: _State, kind: str, attrs: dict[str, str], info: Callable[[Any], dict[str, Any]],
-    obj: Any, result: Any, exc: BaseException | None, start_ns: int, elapsed: float,
-    outer: _Outer, extra: Callable[[Any, Any], dict[str, Any]] | None,
+    st: _State, series: _Series, begun: bool, outcome: str | None, elapsed: float,
+    span: tuple[Any, ...] | None,
 ) -> None:
-    error = None
-    if exc is None and result:
-        outcome = "acquired"
-        st.acquisitions.add(1, attrs)
-        if not outer.claimed:
-            holder = result if kind == "semaphore" else obj
-            if kind != "xact":
-                setattr(holder, _HOLD, (time.perf_counter(), attrs))
-                if kind == "lease":
-                    obj.__dict__.pop(_COUNTED, None)
-    elif exc is None or isinstance(exc, LockNotAcquired):
-        outcome = "timeout"
-        st.timeouts.add(1, attrs)
-    elif isinstance(exc, DeadlockDetected):
-        outcome = error = "deadlock"
-        st.deadlocks.add(1, attrs)
-    else:
-        outcome = error = "error"
-    st.wait.record(elapsed, {**attrs, OUTCOME: outcome})
-    if elapsed >= st.threshold:
-        span_attrs = {KIND: kind, OUTCOME: outcome, **info(obj)}
-        if extra is not None and exc is None and result:
-            span_attrs.update(extra(obj, result))
-        st.span("pglock.lock.wait", start_ns, start_ns + int(elapsed * 1e9), span_attrs, exc,
-                error)
+    attrs = series.attrs(st)
+    if begun:  # not when the +1 was dropped
+        st.waiters.add(-1, attrs)
+    if outcome is not None:
+        if outcome in st.counted:
+            st.counted[outcome].add(1, attrs)
+        st.wait.record(elapsed, {**attrs, OUTCOME: outcome})
+    if span is not None:
+        st.span("pglock.lock.wait", *span)
 
 
-def _held(st: _State, obj: Any) -> tuple[float, dict[str, str]] | None:
-    """Take the hold recorded on ``obj`` (None: begun while telemetry was off) and time it."""
-    hold = obj.__dict__.pop(_HOLD, None)
-    if hold is not None:
-        st.hold.record(time.perf_counter() - hold[0], hold[1])
-    return hold  # type: ignore[no-any-return]
+def _record_end(
+    st: _State, series: _Series, held: float | None, lost: bool, span: tuple[Any, ...] | None
+) -> None:
+    """A hold ended after ``held`` seconds (None: not timed), lost or not, maybe with a span."""
+    attrs = series.attrs(st)
+    if held is not None:
+        st.hold.record(held, attrs)
+    if lost:
+        st.losses.add(1, attrs)
+    if span is not None:
+        st.span("pglock.lease.lost", *span)
 
 
-_failed_before = False
-
-
-def _quietly(record: Callable[[], object]) -> None:
-    """Run ``record()``, a recording: telemetry never changes what a lock call returns or
-    raises, nor leaves a lock held behind an error of its own. An error of the SDK, or of a
-    span processor or exporter of the application's, is logged (the first at WARNING)."""
-    global _failed_before
-    try:
-        record()
-    except Exception:
-        level = logging.DEBUG if _failed_before else logging.WARNING
-        _failed_before = True
-        logger.log(level, "pglock telemetry: recording failed (the lock is unaffected)",
-                   exc_info=True)
+def _lost_span(st: _State, lease: Any, reason: str) -> tuple[Any, ...]:
+    now = time.time_ns()
+    attrs = {KIND: "lease", **_lease_info(lease), "pglock.lost.reason": reason}
+    return now, now, attrs, st.context()
 
 
 # The wrappers, one maker per hook.
@@ -341,26 +374,27 @@ def _acquire_wrapper(
         st = _state
         if st is None:
             return orig(self, *args, **kwargs)
-        outer: _Outer | None = getattr(_local, "outer", None)
+        outer: _Series | None = getattr(_local, "outer", None)
         if outer is not None:  # inside another lock's acquire: it records
             result = orig(self, *args, **kwargs)
             if result and holds and not outer.claimed:
                 outer.claimed = True
-                setattr(self, _HOLD, (time.perf_counter(), outer.attrs))
+                setattr(self, _HOLD, (time.perf_counter(), outer))
             return result
         leader = getattr(_local, "leader", None)
-        if leader is not None and kind == "advisory":
-            return _campaign_round(st, leader, self, lambda: orig(self, *args, **kwargs))
-        attrs = st.attrs(kind, lambda: name(self))
-        return _wait(st, kind, attrs, info, self, lambda: orig(self, *args, **kwargs), extra)
+        if leader is not None and kind == "advisory":  # a round of a leader's campaign
+            return _wait(st, _Series("leader", leader._name), leader,
+                         lambda: orig(self, *args, **kwargs),
+                         lambda e: _span_attrs([e._name], [e._key]))
+        return _wait(st, _Series(kind, name(self)), self, lambda: orig(self, *args, **kwargs),
+                     info, extra)
 
     acquire.__wrapped__ = orig  # type: ignore[attr-defined]
     return acquire
 
 
 def _release_wrapper(
-    orig: Callable[..., Any], kind: str, name: Callable[[Any], str],
-    info: Callable[[Any], dict[str, Any]], holder_arg: bool = False,
+    orig: Callable[..., Any], kind: str, name: Callable[[Any], str], holder_arg: bool = False,
 ) -> Callable[..., Any]:
     def release(self: Any, *args: Any, **kwargs: Any) -> Any:
         st = _state
@@ -368,40 +402,23 @@ def _release_wrapper(
             return orig(self, *args, **kwargs)
         holder = args[0] if holder_arg else self  # a semaphore's permit
         counted = kind == "lease" and self.__dict__.get(_COUNTED, False)
+        lost: LockLost | None = None
         try:
             return orig(self, *args, **kwargs)
         except LockLost as exc:
-            if not counted:
-                _quietly(functools.partial(_count_loss, st, kind, self, holder, name, exc))
+            lost = None if counted else exc
             raise
         finally:
-            _quietly(lambda: _held(st, holder))
+            hold = holder.__dict__.pop(_HOLD, None)  # None: begun while telemetry was off
+            if hold is not None or lost is not None:
+                span = None
+                if lost is not None and kind == "lease":
+                    span = _lost_span(st, self, getattr(lost, "reason", str(lost)))
+                _emit(_record_end, st, hold[1] if hold else _Series(kind, name(self)),
+                      time.perf_counter() - hold[0] if hold else None, lost is not None, span)
 
     release.__wrapped__ = orig  # type: ignore[attr-defined]
     return release
-
-
-def _count_loss(
-    st: _State, kind: str, lock: Any, holder: Any, name: Callable[[Any], str], exc: LockLost
-) -> None:
-    hold = holder.__dict__.get(_HOLD)
-    attrs = hold[1] if hold is not None else st.attrs(kind, lambda: name(lock))
-    st.losses.add(1, attrs)
-    if kind == "lease":
-        _lease_lost_span(st, lock, exc.reason if hasattr(exc, "reason") else str(exc))
-
-
-def _lease_lost_span(st: _State, lease: Any, reason: str) -> None:
-    now = time.time_ns()
-    attrs = {KIND: "lease", **_lease_info(lease), "pglock.lost.reason": reason}
-    st.span("pglock.lease.lost", now, now, attrs)
-
-
-def _count_lease_lost(st: _State, lease: Any) -> None:
-    hold = lease.__dict__.get(_HOLD)
-    attrs = hold[1] if hold is not None else st.attrs("lease", lambda: lease._name)
-    st.losses.add(1, attrs)
-    _lease_lost_span(st, lease, lease._lost_reason)
 
 
 def _lease_lose_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -411,21 +428,13 @@ def _lease_lose_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
         result = orig(self, *args, **kwargs)
         if st is not None and before is not self._state and self._state.value == "lost":
             self.__dict__[_COUNTED] = True
-            _quietly(lambda: _count_lease_lost(st, self))
+            hold = self.__dict__.get(_HOLD)
+            series = hold[1] if hold is not None else _Series("lease", self._name)
+            _emit(_record_end, st, series, None, True, _lost_span(st, self, self._lost_reason))
         return result
 
     _lose.__wrapped__ = orig  # type: ignore[attr-defined]
     return _lose
-
-
-def _keepalive_span(
-    st: _State, kind: str, info: dict[str, Any], exc: BaseException | None
-) -> None:
-    now = time.time_ns()
-    attrs = {KIND: kind, **info}
-    if exc is not None:
-        attrs["error.type"] = type(exc).__qualname__
-    st.span("pglock.lease.keepalive", now, now, attrs, exc, "renewal failed, retrying")
 
 
 def _renew_failed_wrapper(
@@ -436,52 +445,19 @@ def _renew_failed_wrapper(
         st = _state
         if st is not None:
             exc = sys.exc_info()[1]  # called in the renewal's except block
-            _quietly(lambda: _keepalive_span(st, kind, info(self), exc))
+            attrs = {KIND: kind, **info(self)}
+            if exc is not None:
+                attrs["error.type"] = type(exc).__qualname__
+            now = time.time_ns()
+            _emit(st.span, "pglock.lease.keepalive", now, now, attrs, st.context(), exc,
+                  "renewal failed, retrying")
         return result
 
     _renew_failed.__wrapped__ = orig  # type: ignore[attr-defined]
     return _renew_failed
 
 
-def _permit_info(permit: Any) -> dict[str, Any]:
-    return _span_attrs([permit.name], holder=permit.holder)
-
-
 # Leader election: its background thread's campaign rounds (a pg_lock acquire each).
-
-def _campaign_round(st: _State, election: Any, lock: Any, call: Callable[[], Any]) -> Any:
-    """One round of a leader's campaign: recorded as kind ``leader`` when it wins the lock;
-    rounds that do not win record nothing but the waiter (a follower retries every interval)."""
-    attrs = st.attrs("leader", lambda: election._name)
-    start_ns = time.time_ns()
-    t0 = time.perf_counter()
-    _quietly(lambda: st.waiters.add(1, attrs))
-    try:
-        won = call()
-    except BaseException as exc:
-        elapsed = time.perf_counter() - t0
-        outcome = "deadlock" if isinstance(exc, DeadlockDetected) else "error"
-        _quietly(lambda: st.wait.record(elapsed, {**attrs, OUTCOME: outcome}))
-        raise
-    finally:
-        _quietly(lambda: st.waiters.add(-1, attrs))
-    if won:
-        elapsed = time.perf_counter() - t0
-        election.__dict__[_HOLD] = (time.perf_counter(), attrs)
-        _quietly(lambda: _record_win(st, election, attrs, start_ns, elapsed))
-    return won
-
-
-def _record_win(
-    st: _State, election: Any, attrs: dict[str, str], start_ns: int, elapsed: float
-) -> None:
-    st.acquisitions.add(1, attrs)
-    st.wait.record(elapsed, {**attrs, OUTCOME: "acquired"})
-    if elapsed >= st.threshold:
-        span_attrs = {KIND: "leader", OUTCOME: "acquired",
-                      **_span_attrs([election._name], [election._key])}
-        st.span("pglock.lock.wait", start_ns, start_ns + int(elapsed * 1e9), span_attrs)
-
 
 def _campaign_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
     def _campaign_and_lead(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -499,12 +475,6 @@ def _campaign_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
 _STEPPED_DOWN = ("resigned", "the campaign stopped")
 
 
-def _record_leadership(st: _State, hold: tuple[float, dict[str, str]], lost: bool) -> None:
-    st.hold.record(time.perf_counter() - hold[0], hold[1])
-    if lost:
-        st.losses.add(1, hold[1])
-
-
 def _leader_lose_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
     def _lose(self: Any, reason: str, *args: Any, **kwargs: Any) -> Any:
         was_leader = self._leader
@@ -513,7 +483,7 @@ def _leader_lose_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
         hold = self.__dict__.pop(_HOLD, None)
         if st is not None and hold is not None:
             lost = was_leader and reason not in _STEPPED_DOWN
-            _quietly(lambda: _record_leadership(st, hold, lost))
+            _emit(_record_end, st, hold[1], time.perf_counter() - hold[0], lost, None)
         return result
 
     _lose.__wrapped__ = orig  # type: ignore[attr-defined]
@@ -525,11 +495,9 @@ def _xact_wrapper(orig: Callable[..., Any]) -> Callable[..., Any]:
         st = _state
         if st is None or kwargs.get("api", "xact_lock") not in ("xact_lock", "try_xact_lock"):
             return orig(target, keys, names, **kwargs)
-        attrs = st.attrs("xact", lambda: _first(names))
-        return _wait(
-            st, "xact", attrs, lambda _: _span_attrs(names, keys), None,
-            lambda: orig(target, keys, names, **kwargs),
-        )
+        return _wait(st, _Series("xact", _first(names)), None,
+                     lambda: orig(target, keys, names, **kwargs),
+                     lambda _: _span_attrs(names, keys))
 
     xact_acquire.__wrapped__ = orig  # type: ignore[attr-defined]
     return xact_acquire
@@ -563,21 +531,22 @@ def _hooks() -> list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[...
     return [
         (PgLock, "_acquire", lambda f: _acquire_wrapper(f, "advisory", _pg_lock_info, True,
                                                        names0)),
-        (PgLock, "release", lambda f: _release_wrapper(f, "advisory", names0, _pg_lock_info)),
+        (PgLock, "release", lambda f: _release_wrapper(f, "advisory", names0)),
         (PoolLock, "_acquire", lambda f: _acquire_wrapper(f, "pool", _pool_lock_info, False,
                                                          names0)),
         (RWHold, "_acquire", lambda f: _acquire_wrapper(f, "rwlock", _rwlock_info, False,
                                                        rw_name)),
         (Lease, "_acquire", lambda f: _acquire_wrapper(f, "lease", _lease_info, True, own_name,
                                                       lease_extra)),
-        (Lease, "release", lambda f: _release_wrapper(f, "lease", own_name, _lease_info)),
+        (Lease, "release", lambda f: _release_wrapper(f, "lease", own_name)),
         (Lease, "_lose", _lease_lose_wrapper),
         (Lease, "_renew_failed", lambda f: _renew_failed_wrapper(f, "lease", _lease_info)),
-        (Semaphore, "_take", lambda f: _acquire_wrapper(f, "semaphore", _semaphore_info, False,
-                                                       own_name, permit_extra)),
+        (Semaphore, "_take", lambda f: _acquire_wrapper(
+            f, "semaphore", lambda s: _span_attrs([s._name]), False, own_name, permit_extra)),
         (Semaphore, "_release_permit", lambda f: _release_wrapper(
-            f, "semaphore", own_name, _semaphore_info, holder_arg=True)),
-        (Permit, "_renew_failed", lambda f: _renew_failed_wrapper(f, "semaphore", _permit_info)),
+            f, "semaphore", own_name, holder_arg=True)),
+        (Permit, "_renew_failed", lambda f: _renew_failed_wrapper(
+            f, "semaphore", lambda p: _span_attrs([p.name], holder=p.holder))),
         (LeaderElection, "_campaign_and_lead", _campaign_wrapper),
         (LeaderElection, "_lose", _leader_lose_wrapper),
         (_xact, "xact_acquire", _xact_wrapper),

@@ -9,11 +9,14 @@ that long, never bounded above.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -21,14 +24,14 @@ import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 from psycopg_pool import ConnectionPool
 from test_lease_support import wait_until
 
 import pglock
-from pglock import _advisory, _telemetry, _xact
+from pglock import _advisory, _keepalive, _telemetry, _xact
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,16 +42,18 @@ Attrs = frozenset[tuple[str, Any]]
 class Telemetry:
     """An SDK meter and tracer provider with in-memory reader and exporter, given to pglock."""
 
-    def __init__(self) -> None:
+    def __init__(self, processors: Sequence[SpanProcessor] = (), **meter_options: Any) -> None:
         self.reader = InMemoryMetricReader()
         # Read while a scenario runs (points(probe=True)), so that the final reading is the
         # reader's first: opentelemetry-sdk 1.20 (the lower bound) leaves out a cumulative
         # histogram point not updated since the reader's previous collection.
         self.probe = InMemoryMetricReader()
-        self.meters = MeterProvider(metric_readers=[self.reader, self.probe])
+        self.meters = MeterProvider(metric_readers=[self.reader, self.probe], **meter_options)
         self.exporter = InMemorySpanExporter()
         self.tracers = TracerProvider()
         self.tracers.add_span_processor(SimpleSpanProcessor(self.exporter))
+        for processor in processors:  # after the in-memory exporter: it has the span first
+            self.tracers.add_span_processor(processor)
 
     def configure(self, **kwargs: Any) -> None:
         pglock.configure_telemetry(
@@ -56,7 +61,9 @@ class Telemetry:
         )
 
     def points(self, *, probe: bool = False) -> dict[str, dict[Attrs, Any]]:
-        """{instrument: {attributes: value}}; a histogram's value is (count, sum)."""
+        """{instrument: {attributes: value}}; a histogram's value is (count, sum), once what
+        pglock queued is recorded."""
+        assert _telemetry.flush(20)
         found: dict[str, dict[Attrs, Any]] = {}
         data = (self.probe if probe else self.reader).get_metrics_data()
         for rm in data.resource_metrics if data else ():
@@ -70,6 +77,7 @@ class Telemetry:
         return found
 
     def spans(self, name: str | None = None) -> list[Any]:
+        assert _telemetry.flush(20)
         return [s for s in self.exporter.get_finished_spans() if name in (None, s.name)]
 
 
@@ -522,3 +530,313 @@ def test_a_wait_span_is_a_child_of_the_callers_span(
     assert wait.parent is not None
     assert wait.parent.span_id == request.get_span_context().span_id
     assert wait.context.trace_id == request.get_span_context().trace_id
+
+
+# --- a slow or failing exporter, span processor, exemplar filter or name_label ------------------
+# Such code of the application's runs on pglock's telemetry thread only: a lock call, the
+# keepalive and on_lost never wait for it, and nothing it raises reaches them.
+
+
+class Plugin:
+    """The application's code that telemetry runs. ``block``: waits until :meth:`release`
+    (``entered`` says it is waiting; after BOUND s it gives up, sets ``gave_up`` and waits no
+    more); ``raise``: raises RuntimeError; ``raise-base``: a BaseException (the CancelledError of
+    an exporter built on asyncio). Released, it does nothing. ``threads``: where it ran."""
+
+    BOUND = 30.0
+
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour = behaviour
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.gave_up = False
+        self.threads: set[str] = set()
+
+    def __call__(self) -> None:
+        self.threads.add(threading.current_thread().name)
+        if self.gate.is_set():
+            return
+        if self.behaviour == "raise":
+            raise RuntimeError("the application's telemetry plugin failed")
+        if self.behaviour == "raise-base":
+            raise asyncio.CancelledError()
+        if not self.gave_up:
+            self.entered.set()
+            self.gave_up = not self.gate.wait(self.BOUND)
+
+    def release(self) -> None:
+        self.gate.set()
+
+    def still_blocking(self) -> bool:
+        return self.entered.is_set() and not self.gate.is_set() and not self.gave_up
+
+
+class PluginExporter(SpanExporter):
+    def __init__(self, plugin: Plugin) -> None:
+        self.plugin = plugin
+
+    def export(self, spans: Any) -> SpanExportResult:
+        self.plugin()
+        return SpanExportResult.SUCCESS
+
+
+class PluginProcessor(SpanProcessor):
+    def __init__(self, plugin: Plugin) -> None:
+        self.plugin = plugin
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        self.plugin()
+
+    def on_end(self, span: Any) -> None:
+        self.plugin()
+
+
+WHERE = ("exporter", "processor", "exemplar_filter", "name_label")
+
+
+@pytest.fixture
+def hostile() -> Iterator[Callable[[str, Plugin], Telemetry]]:
+    """``hostile(where, plugin)``: pglock's telemetry on with ``plugin`` as a SimpleSpanProcessor's
+    exporter, a span processor, the MeterProvider's exemplar filter or the name_label. The
+    plugin is released before telemetry is turned off (which waits for what was queued)."""
+    made: list[tuple[Telemetry, Plugin]] = []
+
+    def make(where: str, plugin: Plugin, **settings: Any) -> Telemetry:
+        processors: list[SpanProcessor] = []
+        meter_options: dict[str, Any] = {}
+        if where == "exporter":
+            processors.append(SimpleSpanProcessor(PluginExporter(plugin)))
+        elif where == "processor":
+            processors.append(PluginProcessor(plugin))
+        elif where == "exemplar_filter":
+            if "exemplar_filter" not in inspect.signature(MeterProvider).parameters:
+                pytest.skip("this opentelemetry-sdk has no exemplar filter (1.26+)")
+            from opentelemetry.sdk.metrics import ExemplarFilter
+
+            class PluginFilter(ExemplarFilter):
+                def should_sample(self, *args: Any) -> bool:
+                    plugin()
+                    return False
+
+            meter_options["exemplar_filter"] = PluginFilter()
+        else:
+            settings["name_label"] = lambda name: plugin()
+        t = Telemetry(processors, **meter_options)
+        made.append((t, plugin))
+        t.configure(**settings)
+        return t
+
+    try:
+        yield make
+    finally:
+        for _, plugin in made:
+            plugin.release()
+        pglock.configure_telemetry(enabled=False)
+        for t, _ in made:
+            t.meters.shutdown()
+            t.tracers.shutdown()
+
+
+def every_kind(dsn: str, conn: psycopg.Connection[Any], other: psycopg.Connection[Any],
+               admin: psycopg.Connection[Any], pool: ConnectionPool[Any], name: str) -> list[Any]:
+    """Each kind of lock acquired and released, a rival refused meanwhile: what every call
+    returned, and what Postgres says at each step."""
+
+    def held(n: str) -> Any:
+        return admin.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted "
+            "AND (classid::bigint << 32) | objid::bigint = %s", (pglock.key(n),)
+        ).fetchone()
+
+    def rows(query: str, n: str) -> Any:
+        return admin.execute(query, (n,)).fetchone()
+
+    leases = "SELECT count(*) FROM pglock.lease WHERE name = %s"
+    permits = "SELECT count(*) FROM pglock.semaphore_permit WHERE semaphore = %s"
+
+    seen: list[Any] = []
+    n = f"{name}:pg"
+    lock = pglock.pg_lock(conn, n)
+    seen += [lock.acquire(), lock.locked, held(n), pglock.pg_lock(other, n).acquire(timeout=0)]
+    lock.release()
+    seen += [lock.locked, held(n)]
+    n = f"{name}:xact"
+    with conn.transaction():
+        pglock.xact_lock(conn, n)
+        seen.append(held(n))
+        with other.transaction():
+            seen.append(pglock.try_xact_lock(other, n))
+    seen.append(held(n))
+    n = f"{name}:pool"
+    with pglock.pool_lock(pool, n):
+        seen += [held(n), pglock.pg_lock(other, n).acquire(timeout=0)]
+    seen.append(held(n))
+    n = f"{name}:lease"
+    lease = pglock.lease(dsn, n, ttl=30)
+    seen += [lease.acquire(), lease.locked, rows(leases, n)]
+    seen.append(pglock.lease(dsn, n, ttl=30).acquire(timeout=0))
+    lease.release()
+    seen += [lease.locked, rows(leases, n)]
+    n = f"{name}:sem"
+    sem = pglock.semaphore(dsn, n, 1)
+    seen += [bool(sem.acquire()), rows(permits, n)]
+    seen.append(bool(pglock.semaphore(dsn, n, 1).acquire(timeout=0)))
+    sem.release()
+    seen.append(rows(permits, n))
+    return seen
+
+
+#: every_kind() with telemetry off: granted, held in Postgres, the rival refused, released.
+EVERY_KIND = [
+    True, True, (1,), False, False, (0,),  # pg_lock
+    (1,), False, (0,),  # xact_lock, try_xact_lock
+    (1,), False, (0,),  # pool_lock
+    True, True, (1,), False, False, (0,),  # lease
+    True, (1,), False, (0,),  # semaphore
+]
+
+
+@pytest.fixture
+def pool(pg_dsn: str, app_name: str) -> Iterator[ConnectionPool[Any]]:
+    with ConnectionPool(pg_dsn, min_size=1, max_size=1, open=True,
+                        kwargs={"application_name": app_name}) as p:
+        yield p
+
+
+@pytest.mark.timeout(120)  # on 8f1836e a blocking plugin holds the test's own thread for BOUND
+@pytest.mark.parametrize("where", WHERE)
+def test_every_lock_call_returns_while_the_telemetry_plugin_blocks(
+    hostile: Callable[..., Telemetry], where: str, dsn: str, conn: psycopg.Connection[Any],
+    other: psycopg.Connection[Any], admin: psycopg.Connection[Any], pool: ConnectionPool[Any],
+    name: str,
+) -> None:
+    off = every_kind(dsn, conn, other, admin, pool, f"{name}:off")
+    assert off == EVERY_KIND
+    plugin = Plugin("block")
+    otel = hostile(where, plugin)
+    with pglock.pg_lock(conn, f"{name}:first"):  # its recording makes the plugin block
+        pass
+    assert plugin.entered.wait(20)
+    # The proof: every call below returns, with the outcome it has with telemetry off, while
+    # the plugin is still blocked.
+    assert every_kind(dsn, conn, other, admin, pool, f"{name}:on") == off
+    assert plugin.still_blocking()
+    plugin.release()
+
+    points = otel.points()  # flushes: everything queued meanwhile is recorded now
+    assert counts(points, "pglock.lock.acquisitions") == {
+        a("advisory"): 2, a("xact"): 1, a("pool"): 1, a("lease"): 1, a("semaphore"): 1,
+    }
+    assert counts(points, "pglock.lock.timeouts") == {
+        a("advisory"): 2, a("xact"): 1, a("lease"): 1, a("semaphore"): 1,
+    }
+    assert hist_counts(points, "pglock.lock.hold.duration") == {
+        a("advisory"): 2, a("pool"): 1, a("lease"): 1, a("semaphore"): 1,
+    }
+    assert counts(points, "pglock.lock.waiters") == {}
+    assert len(otel.spans("pglock.lock.wait")) == 11
+    assert plugin.threads == {"pglock-telemetry"}
+
+
+@pytest.mark.parametrize("behaviour", ["raise", "raise-base"])
+@pytest.mark.parametrize("where", WHERE)
+def test_a_raising_telemetry_plugin_changes_no_outcome(
+    hostile: Callable[..., Telemetry], where: str, behaviour: str, dsn: str,
+    conn: psycopg.Connection[Any], other: psycopg.Connection[Any],
+    admin: psycopg.Connection[Any], pool: ConnectionPool[Any], name: str,
+) -> None:
+    off = every_kind(dsn, conn, other, admin, pool, f"{name}:off")
+    assert off == EVERY_KIND
+    plugin = Plugin(behaviour)
+    otel = hostile(where, plugin)
+    assert every_kind(dsn, conn, other, admin, pool, f"{name}:on") == off
+    before = otel.points()
+    plugin.release()  # it works again: the telemetry thread goes on recording
+    with pglock.pg_lock(conn, name):
+        pass
+    acquired = counts(otel.points(), "pglock.lock.acquisitions").get(a("advisory"), 0)
+    assert acquired == counts(before, "pglock.lock.acquisitions").get(a("advisory"), 0) + 1
+    assert otel.spans()[-1].attributes["pglock.lock.name"] == name
+    assert plugin.threads == {"pglock-telemetry"}
+
+
+def lease_expiry(admin: psycopg.Connection[Any], name: str) -> Any:
+    row = admin.execute("SELECT expires_at FROM pglock.lease WHERE name = %s", (name,)).fetchone()
+    return None if row is None else row[0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("where", ["exporter", "processor"])
+def test_a_stuck_exporter_delays_no_renewal(
+    hostile: Callable[..., Telemetry], where: str, dsn: str, admin: psycopg.Connection[Any],
+    name: str,
+) -> None:
+    """The issue's case: a lease lost in the keepalive makes a span; with its exporter stuck,
+    another lease of the same source, healthy, must go on being renewed."""
+    plugin = Plugin("block")
+    otel = hostile(where, plugin, span_threshold=3600.0)  # no wait spans: only the loss's
+    lost: list[Any] = []
+    healthy = pglock.lease(dsn, f"{name}:healthy", ttl=1.0, on_lost=lost.append)
+    doomed = pglock.lease(dsn, f"{name}:doomed", ttl=1.0)
+    assert healthy.acquire() and doomed.acquire()
+    admin.execute("DELETE FROM pglock.lease WHERE name = %s", (f"{name}:doomed",))
+    assert plugin.entered.wait(20)  # the keepalive found it lost; its span is stuck
+    first = lease_expiry(admin, f"{name}:healthy")
+    # Several TTLs later in the database's own time, the healthy lease is still renewed.
+    assert wait_until(
+        lambda: lease_expiry(admin, f"{name}:healthy") >= first + timedelta(seconds=3.5), 30
+    )
+    assert healthy.locked and lost == [] and plugin.still_blocking()
+    plugin.release()
+    healthy.release()
+    with pytest.raises(pglock.LockLost):
+        doomed.release()
+    (gone,) = otel.spans("pglock.lease.lost")
+    assert gone.attributes["pglock.lock.name"] == f"{name}:doomed"
+    assert counts(otel.points(), "pglock.lock.losses") == {a("lease"): 1}
+    assert lost == [] and plugin.threads == {"pglock-telemetry"}
+
+
+def test_a_keepalive_failure_is_recorded_on_the_telemetry_thread(
+    hostile: Callable[..., Telemetry], dsn: str, name: str
+) -> None:
+    plugin = Plugin("ok")
+    plugin.release()
+    otel = hostile("processor", plugin, span_threshold=3600.0)
+    lease = pglock.lease(dsn, name, ttl=1.0)
+    assert lease.acquire()
+    with psycopg.connect(dsn) as blocker:  # renewals cannot run while it locks the table
+        blocker.execute("LOCK TABLE pglock.lease IN ACCESS EXCLUSIVE MODE")
+        assert wait_until(lambda: otel.spans("pglock.lease.keepalive"), 10)
+        blocker.rollback()
+    with contextlib.suppress(pglock.LockLost):  # a renewal may or may not come in time
+        lease.release()
+    assert plugin.threads == {"pglock-telemetry"}
+
+
+def test_a_full_queue_drops_and_counts_and_never_grows(
+    hostile: Callable[..., Telemetry], monkeypatch: pytest.MonkeyPatch,
+    conn: psycopg.Connection[Any], name: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    queue = _keepalive._Callbacks("pglock-telemetry", 5)
+    monkeypatch.setattr(_keepalive, "telemetry", queue)
+    caplog.set_level(logging.DEBUG, logger="pglock.telemetry")
+    plugin = Plugin("block")
+    otel = hostile("exporter", plugin)
+    with pglock.pg_lock(conn, f"{name}:first"):
+        pass
+    assert plugin.entered.wait(20)
+    for _ in range(10):
+        with pglock.pg_lock(conn, name) as lock:
+            assert lock.locked
+    assert len(queue.queue) == 5 and queue.dropped > 0  # bounded: the rest were dropped
+    full = [r for r in caplog.records if "queue is full" in r.getMessage()]
+    assert len(full) == queue.dropped
+    assert full[0].levelno == logging.WARNING
+    assert all(r.levelno == logging.DEBUG for r in full[1:])
+    assert plugin.still_blocking()
+    plugin.release()
+    assert _telemetry.flush(20) and len(queue.queue) == 0
+    spans = len(otel.spans())
+    with pglock.pg_lock(conn, name):  # the queue has room again: recorded
+        pass
+    assert len(otel.spans()) == spans + 1
