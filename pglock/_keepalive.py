@@ -263,7 +263,7 @@ class _Callbacks:
             while self.queue:
                 try:
                     self.queue.popleft()()
-                except Exception:
+                except BaseException:  # SystemExit, CancelledError: later ones must still run
                     logger.exception("a pglock callback raised")
 
 

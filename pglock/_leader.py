@@ -504,7 +504,7 @@ class LeaderElection:
             try:
                 if callback is not None:
                     callback()
-            except Exception:
+            except BaseException:  # SystemExit, CancelledError: later callbacks must still run
                 logger.exception(
                     "the on_%s callback of leader election %r raised", kind, self._name
                 )

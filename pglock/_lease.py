@@ -750,7 +750,7 @@ class Lease(_base.BaseLock, _ttl.Held):
     def _call(self, on_lost: Callable[[Lease], object]) -> None:
         try:
             on_lost(self)
-        except Exception:
+        except BaseException:  # SystemExit, CancelledError: pglock's thread goes on
             logger.exception("the on_lost callback of lease %r raised", self._name)
 
 

@@ -250,6 +250,23 @@ def test_callback_errors_are_logged_not_fatal(
     assert e.is_leader
 
 
+def test_a_callback_raising_a_base_exception_stops_no_later_callback(
+    dsn: str, name: str, elections: list[pglock.LeaderElection]
+) -> None:
+    """on_elected raising SystemExit is logged: on_lost still runs (before, it ended the
+    election's callback thread)."""
+    lost = threading.Event()
+
+    def exit_() -> None:
+        raise SystemExit(3)
+
+    e = candidate(elections, dsn, name, on_elected=exit_, on_lost=lost.set)
+    e.start()
+    assert e.wait_elected(10)
+    e.resign()
+    assert lost.wait(10)
+
+
 def test_resign_from_a_callback(dsn: str, name: str,
                                 elections: list[pglock.LeaderElection]) -> None:
     done = threading.Event()

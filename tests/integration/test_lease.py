@@ -1065,6 +1065,32 @@ def test_on_lost_runs_and_a_warning_is_logged_when_the_keepalive_finds_it_gone(
         lease.release()
 
 
+@pytest.mark.parametrize("exc", [SystemExit, KeyboardInterrupt], ids=["SystemExit", "Interrupt"])
+def test_an_on_lost_raising_a_base_exception_stops_no_later_callback(
+    pool: ConnectionPool[Any], admin: psycopg.Connection[Any], name: str,
+    exc: type[BaseException],
+) -> None:
+    """A callback raising SystemExit (or anything not an Exception) is logged like any other:
+    before, it ended pglock's callback thread, and every later on_lost never ran."""
+    calls: list[str] = []
+
+    def first(lease: pglock.Lease) -> None:
+        calls.append("first")
+        raise exc
+
+    leases = [pglock.lease(pool, name + ":1", ttl=0.6, on_lost=first),
+              pglock.lease(pool, name + ":2", ttl=0.6, on_lost=lambda _: calls.append("second"))]
+    leases[0].acquire()
+    admin.execute("DELETE FROM pglock.lease WHERE name = %s", (name + ":1",))
+    assert wait_until(lambda: calls == ["first"], 5)
+    leases[1].acquire()
+    admin.execute("DELETE FROM pglock.lease WHERE name = %s", (name + ":2",))
+    assert wait_until(lambda: calls == ["first", "second"], 5)
+    for lease in leases:
+        with pytest.raises(pglock.LockLost):
+            lease.release()
+
+
 def test_a_blocked_renewal_loses_the_lease_at_its_deadline(
     pool: ConnectionPool[Any], dsn: str, admin: psycopg.Connection[Any], name: str
 ) -> None:
