@@ -125,9 +125,11 @@ class Source:
             raise NoAnswer(
                 f"pglock: {what} lost its connection and no time was left to send it again"
             ) from first
-        logging.getLogger(f"pglock.{user}").warning(
-            "%s statement %r: the connection was lost (%s: %s); sending it once more on a "
-            "new connection", user, kind, type(first).__name__, _first_line(first),
+        # The server's idle_session_timeout ends connections kept idle: expected, not alarming.
+        level = logging.INFO if first.sqlstate == "57P05" else logging.WARNING
+        logging.getLogger(f"pglock.{user}").log(
+            level, "%s statement %r: the connection was lost (%s: %s); sending it once more on "
+            "a new connection", user, kind, type(first).__name__, _first_line(first),
         )
         try:
             conn, done = self._checkout(_checkout_wait(timeout, deadline), True, deadline)

@@ -6,7 +6,7 @@ import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
@@ -313,19 +313,17 @@ def test_slow_server_after_a_timed_grant_leaves_the_transaction_usable(
 
     from pglock import _sql
 
-    restore = _sql.restore_timeouts
+    restore = _sql.restore_settings
 
-    def stalled_restore(lock_timeout: str, statement_timeout: str) -> sql.Composed:
-        return sql.SQL("SELECT pg_catalog.pg_sleep(0.3); {}").format(
-            restore(lock_timeout, statement_timeout)
-        )
+    def stalled_restore(values: Sequence[str]) -> sql.Composed:
+        return sql.SQL("SELECT pg_catalog.pg_sleep(0.3); {}").format(restore(values))
 
     names = list(two_names_by_key()[:keys])
     c, obs = connect(autocommit=False), connect()
     c.execute("CREATE TEMP TABLE w (v int)")
     c.execute("INSERT INTO w VALUES (1)")
     c.execute("SET LOCAL statement_timeout = '13s'")
-    monkeypatch.setattr(_sql, "restore_timeouts", stalled_restore)
+    monkeypatch.setattr(_sql, "restore_settings", stalled_restore)
     if keys == 1:
         pglock.xact_lock(c, names, timeout=0.05)
         assert held(obs, c.info.backend_pid) == [xk(names[0])]
@@ -343,7 +341,7 @@ def test_slow_server_after_a_timed_grant_leaves_the_transaction_usable(
     c.execute("SELECT 1")
     c.execute("SET LOCAL statement_timeout = '50ms'")
     with pytest.raises(psycopg.errors.QueryCanceled):
-        c.execute(stalled_restore("0", "0"))
+        c.execute(stalled_restore(("0", "0", "off")))
     assert c.info.transaction_status == TransactionStatus.INERROR
     c.rollback()
 
