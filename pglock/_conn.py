@@ -480,7 +480,9 @@ def _call_on_cursor(
     transaction to begin), the parameters rendered as literals (bigints only)."""
     for n in range(len(params), 0, -1):
         p = params[n - 1]
-        literal = b"%d::int8" % p if isinstance(p, int) else b"'{%s}'::int8[]" % b",".join(
+        # Quoted: in -5::bigint the cast binds first, and the minus is an operator looked up
+        # on the caller's search_path.
+        literal = b"'%d'::bigint" % p if isinstance(p, int) else b"'{%s}'::bigint[]" % b",".join(
             b"%d" % int(k) for k in p
         )
         query = query.replace(b"$%d" % n, literal)
