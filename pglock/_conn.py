@@ -489,7 +489,9 @@ def _literals(query: bytes, params: Sequence[Param]) -> bytes:
     """``query`` with its bigint or bigint[] parameters as literals (for a simple query)."""
     for n in range(len(params), 0, -1):  # $10 before $1
         p = params[n - 1]
-        literal = b"%d::int8" % p if isinstance(p, int) else b"'{%s}'::int8[]" % b",".join(
+        # Quoted: in -5::bigint the cast binds first, and the minus is an operator looked up on
+        # the caller's search_path.
+        literal = b"'%d'::bigint" % p if isinstance(p, int) else b"'{%s}'::bigint[]" % b",".join(
             b"%d" % int(k) for k in p
         )
         query = query.replace(b"$%d" % n, literal)

@@ -21,7 +21,7 @@ from . import _conn, _sql
 from ._classify import Kind, classify
 from ._contract import DEFAULT_SCHEMA, install_lock_key, validate_schema
 from ._deadline import connect_extra
-from .migrations import VERSIONS_DIR
+from .migrations import PIN_SEARCH_PATH, VERSIONS_DIR
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,7 @@ def install(target: str | psycopg.Connection[Any], *, schema: str = DEFAULT_SCHE
 def _install(conn: psycopg.Connection[Any], schema: str, plan: list[Revision]) -> list[str]:
     applied: list[str] = []
     with conn.transaction():
+        _conn.fetch(conn, PIN_SEARCH_PATH)  # until the commit
         _conn.fetch(conn, _sql.schema_install_lock(install_lock_key(schema)))
         done = set(installed_revisions(conn, schema))
         for rev in plan:

@@ -35,7 +35,10 @@ _UNLOCK_FUNCS = {False: "pg_advisory_unlock", True: "pg_advisory_unlock_shared"}
 
 #: The open transaction's identity for pglock's transaction-lock records: its start in
 #: microseconds since 1970 (a bigint reads the same in text and binary, whatever DateStyle).
-_TX_START = "(extract(epoch FROM pg_catalog.transaction_timestamp()) * 1000000)::int8"
+_TX_START = (
+    "(extract(epoch FROM pg_catalog.transaction_timestamp()) OPERATOR(pg_catalog.*) 1000000)"
+    "::bigint"
+)
 
 # Fixed text with ``$1`` placeholders, sent by pglock._conn.call straight through libpq (the key
 # in binary): the uncontended cycle costs what raw SQL costs.
@@ -50,17 +53,18 @@ UNLOCK_ONE = {
 # (shared, try) -> query; try-locks return (key, granted) rows.
 LOCK_MANY = {
     (shared, try_): (  # func is one of the fixed names above, never input
-        f"SELECT k, pg_catalog.{func}(k) FROM unnest($1::bigint[])"  # noqa: S608
+        f"SELECT k, pg_catalog.{func}(k) FROM pg_catalog.unnest($1::bigint[])"  # noqa: S608
         " WITH ORDINALITY AS t(k, i) ORDER BY i"
         if try_
-        else f"SELECT pg_catalog.{func}(k) FROM unnest($1::bigint[]) AS k"  # noqa: S608
+        else f"SELECT pg_catalog.{func}(k) FROM pg_catalog.unnest($1::bigint[]) AS k"  # noqa: S608
     ).encode()
     for (xact, shared, try_), func in _LOCK_FUNCS.items()
     if not xact
 }
 UNLOCK_MANY = {
     shared: (
-        f"SELECT bool_and(pg_catalog.{func}(k)) FROM unnest($1::bigint[]) AS k"  # noqa: S608
+        f"SELECT pg_catalog.bool_and(pg_catalog.{func}(k))"  # noqa: S608
+        " FROM pg_catalog.unnest($1::bigint[]) AS k"
     ).encode()
     for shared, func in _UNLOCK_FUNCS.items()
 }
@@ -71,20 +75,22 @@ def _names_schema(schema: str, privilege: str) -> sql.Composed:
     pglock can trust (docs/guarantees.md, "The name registry is pglock's own"). One catalog lookup:
     ``to_regclass`` would raise without USAGE, ``obj_description()`` costs four times as much."""
     return sql.SQL(
-        "(SELECT n.nspname::text FROM pg_catalog.pg_namespace n"
-        " JOIN pg_catalog.pg_class c ON c.relnamespace = n.oid"
-        " JOIN pg_catalog.pg_roles o ON o.oid = c.relowner"
-        " JOIN pg_catalog.pg_roles u ON u.rolname = CURRENT_USER"
-        " WHERE n.nspname = {schema} AND c.relname = {table} AND c.relkind = 'r'"
-        " AND c.relowner = n.nspowner"
+        "(SELECT n.nspname::pg_catalog.text FROM pg_catalog.pg_namespace n"
+        " JOIN pg_catalog.pg_class c ON c.relnamespace OPERATOR(pg_catalog.=) n.oid"
+        " JOIN pg_catalog.pg_roles o ON o.oid OPERATOR(pg_catalog.=) c.relowner"
+        " JOIN pg_catalog.pg_roles u ON u.rolname OPERATOR(pg_catalog.=) CURRENT_USER"
+        " WHERE n.nspname OPERATOR(pg_catalog.=) {schema}"
+        " AND c.relname OPERATOR(pg_catalog.=) {table} AND c.relkind OPERATOR(pg_catalog.=) 'r'"
+        " AND c.relowner OPERATOR(pg_catalog.=) n.nspowner"
         " AND NOT (c.relhastriggers OR c.relhasrules OR c.relrowsecurity)"
-        " AND (o.oid = u.oid OR o.rolsuper"
-        "  OR o.oid = (SELECT d.datdba FROM pg_catalog.pg_database d"
-        "   WHERE d.datname = pg_catalog.current_database())"
+        " AND (o.oid OPERATOR(pg_catalog.=) u.oid OR o.rolsuper"
+        "  OR o.oid OPERATOR(pg_catalog.=) (SELECT d.datdba FROM pg_catalog.pg_database d"
+        "   WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database())"
         "  OR (NOT u.rolsuper AND pg_catalog.pg_has_role(o.oid, 'USAGE')))"
         " AND pg_catalog.starts_with((SELECT d.description FROM pg_catalog.pg_description d"
-        "  WHERE d.objoid = c.oid AND d.classoid = 'pg_catalog.pg_class'::pg_catalog.regclass"
-        "  AND d.objsubid = 0), {marker})"
+        "  WHERE d.objoid OPERATOR(pg_catalog.=) c.oid"
+        "  AND d.classoid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass"
+        "  AND d.objsubid OPERATOR(pg_catalog.=) 0), {marker})"
         " AND pg_catalog.has_schema_privilege(n.oid, 'USAGE')"
         " AND pg_catalog.has_table_privilege(c.oid, {privilege}))"
     ).format(
@@ -118,8 +124,8 @@ def xact_one(key: int, *, shared: bool, try_: bool) -> bytes:  # for pglock._con
 #: ``lock_timeout`` not 0, from ``ALTER ROLE ... SET``, the DSN's options or a ``SET``)? Then a
 #: wait meant to last until acquired overrides them for pglock's statement (see _advisory).
 SESSION_TIMEOUTS = (
-    "SELECT pg_catalog.current_setting('lock_timeout') <> '0'"
-    " OR pg_catalog.current_setting('statement_timeout') <> '0'"
+    "SELECT pg_catalog.current_setting('lock_timeout') OPERATOR(pg_catalog.<>) '0'"
+    " OR pg_catalog.current_setting('statement_timeout') OPERATOR(pg_catalog.<>) '0'"
 )
 
 # Once per connection. The lock APIs take no schema: they register names in the default schema's.
@@ -137,8 +143,9 @@ def names_readable(schema: str) -> sql.Composed:
 # and restored afterwards (SET LOCAL inside a block that succeeds would outlive it). Names
 # travel hex-encoded, so no user text is ever inside the dollar-quoted body.
 _REGISTER = (
-    "DO $pglock$DECLARE lt text := pg_catalog.current_setting('lock_timeout'); BEGIN"
-    " IF pg_catalog.current_setting('transaction_isolation') <> 'serializable' THEN"
+    "DO $pglock$DECLARE lt pg_catalog.text := pg_catalog.current_setting('lock_timeout'); BEGIN"
+    " IF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'serializable'"
+    " THEN"
     " BEGIN"
     " SET LOCAL lock_timeout = '1ms';"
     " INSERT INTO {table} (key, name) VALUES {values} ON CONFLICT (key) DO NOTHING;"
@@ -195,10 +202,11 @@ def status_header(schema: str) -> sql.Composed:
         " pg_catalog.split_part(pg_catalog.current_setting('server_version'), ' ', 1),"
         " pg_catalog.quote_ident(CURRENT_USER),"
         " (SELECT pg_catalog.has_schema_privilege(n.oid, 'USAGE')"
-        "  FROM pg_catalog.pg_namespace n WHERE n.nspname = {schema}),"
+        "  FROM pg_catalog.pg_namespace n WHERE n.nspname OPERATOR(pg_catalog.=) {schema}),"
         " (SELECT pg_catalog.has_table_privilege(c.oid, 'SELECT') FROM pg_catalog.pg_class c"
-        "  JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
-        "  WHERE n.nspname = {schema} AND c.relname = {table})"
+        "  JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace"
+        "  WHERE n.nspname OPERATOR(pg_catalog.=) {schema}"
+        "  AND c.relname OPERATOR(pg_catalog.=) {table})"
     ).format(schema=sql.Literal(schema), table=sql.Literal(NAMES_TABLE))
 
 
@@ -206,28 +214,33 @@ def relations_exist(schema: str, relations: Sequence[str]) -> sql.Composed:
     """One row: are all ``relations`` in ``schema``? A catalog lookup that works without USAGE
     on the schema (reading them without the grants then fails with SQLSTATE 42501)."""
     return sql.SQL(
-        "SELECT count(*) = {} FROM pg_catalog.pg_class c"
-        " JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace"
-        " WHERE n.nspname = {} AND c.relname = ANY({})"
+        "SELECT pg_catalog.count(*) OPERATOR(pg_catalog.=) {} FROM pg_catalog.pg_class c"
+        " JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace"
+        " WHERE n.nspname OPERATOR(pg_catalog.=) {} AND c.relname OPERATOR(pg_catalog.=) ANY ({})"
     ).format(*map(sql.Literal, (len(relations), schema, list(relations))))
 
 
 def semaphores(schema: str, name: str | None) -> sql.Composed:
     """Every semaphore (or one) with its live permit holders: one row per holder, or one row
     with NULL holder columns for a semaphore nobody holds."""
-    where = sql.SQL("") if name is None else sql.SQL(" WHERE m.name = {}").format(sql.Literal(name))
+    where: sql.Composable = sql.SQL("")
+    if name is not None:
+        where = sql.SQL(" WHERE m.name OPERATOR(pg_catalog.=) {}").format(sql.Literal(name))
     return sql.SQL(
         "SELECT m.name, m.max_permits, m.waiters, p.holder, p.permits, p.acquired_at,"
         " p.expires_at, p.metadata,"
-        " extract(epoch FROM p.expires_at - pg_catalog.clock_timestamp())::double precision"
+        " extract(epoch FROM p.expires_at OPERATOR(pg_catalog.-) pg_catalog.clock_timestamp())"
+        "::double precision"
         " FROM {s}.semaphore m"
-        " LEFT JOIN {s}.semaphore_permit p"
-        " ON p.semaphore = m.name AND p.expires_at > pg_catalog.clock_timestamp()"
+        " LEFT JOIN {s}.semaphore_permit p ON p.semaphore OPERATOR(pg_catalog.=) m.name"
+        " AND p.expires_at OPERATOR(pg_catalog.>) pg_catalog.clock_timestamp()"
         "{where} ORDER BY m.name, p.acquired_at, p.holder"
     ).format(s=sql.Identifier(schema), where=where)
 
 
-_ADVISORY_KEY = sql.SQL("((l.classid::bigint << 32) | l.objid::bigint)")
+_ADVISORY_KEY = sql.SQL(
+    "((l.classid::bigint OPERATOR(pg_catalog.<<) 32) OPERATOR(pg_catalog.|) l.objid::bigint)"
+)
 
 
 def advisory_locks(
@@ -237,15 +250,16 @@ def advisory_locks(
     from ``names_schema``'s registry; ``waitstart`` reads ``pg_locks.waitstart`` (PG 14+)."""
     key_filter: sql.Composable = sql.SQL("")
     if keys is not None:
-        key_filter = sql.SQL(" AND l.objsubid = 1 AND {} = ANY({})").format(
-            _ADVISORY_KEY, _keys_array(keys)
-        )
-    name: sql.Composable = sql.SQL("NULL::text")
+        key_filter = sql.SQL(
+            " AND l.objsubid OPERATOR(pg_catalog.=) 1 AND {} OPERATOR(pg_catalog.=) ANY ({})"
+        ).format(_ADVISORY_KEY, _keys_array(keys))
+    name: sql.Composable = sql.SQL("NULL::pg_catalog.text")
     if names_schema is not None:
-        name = sql.SQL("(SELECT r.name FROM {} r WHERE l.objsubid = 1 AND r.key = {})").format(
-            sql.Identifier(names_schema, NAMES_TABLE), _ADVISORY_KEY
-        )
-    since = sql.SQL("l.waitstart" if waitstart else "NULL::timestamptz")
+        name = sql.SQL(
+            "(SELECT r.name FROM {} r"
+            " WHERE l.objsubid OPERATOR(pg_catalog.=) 1 AND r.key OPERATOR(pg_catalog.=) {})"
+        ).format(sql.Identifier(names_schema, NAMES_TABLE), _ADVISORY_KEY)
+    since = sql.SQL("l.waitstart" if waitstart else "NULL::pg_catalog.timestamptz")
     return sql.SQL(
         "SELECT l.objsubid, l.classid::bigint, l.objid::bigint, {name} AS name,"
         " l.mode, l.granted, l.pid,"
@@ -255,12 +269,12 @@ def advisory_locks(
         " CASE WHEN NOT l.granted THEN pg_catalog.pg_blocking_pids(l.pid) END,"
         " pg_catalog.clock_timestamp(),"
         " l.held_by_pid"
-        " FROM (SELECT l.*, count(*) FILTER (WHERE l.granted) OVER (PARTITION BY l.pid)"
-        "       AS held_by_pid"
-        "       FROM pg_catalog.pg_locks l WHERE l.locktype = 'advisory') l"
-        " LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid"
-        " WHERE l.database = (SELECT d.oid FROM pg_catalog.pg_database d"
-        "                   WHERE d.datname = pg_catalog.current_database()){key_filter}"
+        " FROM (SELECT l.*, pg_catalog.count(*) FILTER (WHERE l.granted)"
+        "       OVER (PARTITION BY l.pid) AS held_by_pid"
+        "       FROM pg_catalog.pg_locks l WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory') l"
+        " LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid OPERATOR(pg_catalog.=) l.pid"
+        " WHERE l.database OPERATOR(pg_catalog.=) (SELECT d.oid FROM pg_catalog.pg_database d"
+        "  WHERE d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()){key_filter}"
         " ORDER BY l.classid, l.objid, l.objsubid, l.granted DESC, l.pid"
     ).format(name=name, waitstart=since, key_filter=key_filter)
 
@@ -274,12 +288,12 @@ def lock(keys: Sequence[int], *, shared: bool, xact: bool, try_: bool) -> sql.Co
     func = sql.Identifier("pg_catalog", _LOCK_FUNCS[(xact, shared, try_)])
     if try_:
         return sql.SQL(
-            "SELECT k, {}(k) FROM unnest({}) WITH ORDINALITY AS t(k, i) ORDER BY i"
+            "SELECT k, {}(k) FROM pg_catalog.unnest({}) WITH ORDINALITY AS t(k, i) ORDER BY i"
         ).format(func, _keys_array(keys))
     if len(keys) == 1:
         return sql.SQL("SELECT {}({})").format(func, sql.Literal(keys[0]))
     # In key order, one after another: see LOCK_MANY.
-    return sql.SQL("SELECT {}(k) FROM unnest({}) AS k").format(func, _keys_array(keys))
+    return sql.SQL("SELECT {}(k) FROM pg_catalog.unnest({}) AS k").format(func, _keys_array(keys))
 
 
 def unlock(keys: Sequence[int], *, shared: bool) -> sql.Composed:
@@ -287,7 +301,9 @@ def unlock(keys: Sequence[int], *, shared: bool) -> sql.Composed:
     func = sql.Identifier("pg_catalog", _UNLOCK_FUNCS[shared])
     if len(keys) == 1:
         return sql.SQL("SELECT {}({})").format(func, sql.Literal(keys[0]))
-    return sql.SQL("SELECT bool_and({}(k)) FROM unnest({}) AS k").format(func, _keys_array(keys))
+    return sql.SQL("SELECT pg_catalog.bool_and({}(k)) FROM pg_catalog.unnest({}) AS k").format(
+        func, _keys_array(keys)
+    )
 
 
 #: The custom setting that tags a server session behind a pooler with the pglock client using
@@ -305,25 +321,29 @@ POOLER_MARK = "pglock.client"
 # (shared, try) -> query; sent by pglock._conn.call, or with literals in a batch (with_literals).
 POOLED_LOCK = {
     (shared, try_): (  # func is one of the fixed names above, never input
-        "WITH s AS (SELECT pg_catalog.pg_backend_pid()::int8 AS pid,"  # noqa: S608
+        "WITH s AS (SELECT pg_catalog.pg_backend_pid()::bigint AS pid,"  # noqa: S608
         " coalesce(pg_catalog.current_setting('pglock.client', true), '') AS mark),"
-        " c AS (SELECT pid, mark, CASE WHEN pid = $2 AND mark IN ('', $3::text)"
-        " THEN pg_catalog.set_config('pglock.client', $3::text, false) = $3::text"
+        " c AS (SELECT pid, mark, CASE WHEN pid OPERATOR(pg_catalog.=) $2"
+        " AND mark OPERATOR(pg_catalog.=) ANY (ARRAY['', $3::pg_catalog.text])"
+        " THEN pg_catalog.set_config('pglock.client', $3::pg_catalog.text, false)"
+        " OPERATOR(pg_catalog.=) $3::pg_catalog.text"
         " ELSE false END AS ok FROM s)"
         " SELECT c.pid, c.mark, CASE WHEN c.ok THEN (SELECT pg_catalog.string_agg("
         f"CASE WHEN pg_catalog.{func}(t.k){'' if try_ else ' IS NOT NULL'} THEN 't' ELSE 'f' END,"
-        " '' ORDER BY t.i) FROM unnest($1::bigint[]) WITH ORDINALITY AS t(k, i)) END FROM c"
+        " '' ORDER BY t.i) FROM pg_catalog.unnest($1::bigint[]) WITH ORDINALITY AS t(k, i))"
+        " END FROM c"
     ).encode()
     for (xact, shared, try_), func in _LOCK_FUNCS.items()
     if not xact
 }
 POOLED_UNLOCK = {
     shared: (
-        "WITH c AS (SELECT pg_catalog.pg_backend_pid()::int8 AS pid,"  # noqa: S608
+        "WITH c AS (SELECT pg_catalog.pg_backend_pid()::bigint AS pid,"  # noqa: S608
         " coalesce(pg_catalog.current_setting('pglock.client', true), '') AS mark)"
-        " SELECT c.pid, c.mark, CASE WHEN c.pid = $2 AND c.mark IN ('', $3::text)"
-        f" THEN (SELECT pg_catalog.bool_and(pg_catalog.{func}(k)) FROM unnest($1::bigint[]) AS k)"
-        " END FROM c"
+        " SELECT c.pid, c.mark, CASE WHEN c.pid OPERATOR(pg_catalog.=) $2"
+        " AND c.mark OPERATOR(pg_catalog.=) ANY (ARRAY['', $3::pg_catalog.text])"
+        f" THEN (SELECT pg_catalog.bool_and(pg_catalog.{func}(k))"
+        " FROM pg_catalog.unnest($1::bigint[]) AS k) END FROM c"
     ).encode()
     for shared, func in _UNLOCK_FUNCS.items()
 }
@@ -384,17 +404,18 @@ def held_advisory(keys: Sequence[int], *, shared: bool) -> sql.Composed:
     pg_database lookup would need a slot in a lock table that may be full (this runs after
     "out of shared memory", among other failures)."""
     mode = sql.Literal("ShareLock" if shared else "ExclusiveLock")
-    return _held(keys, sql.SQL(" AND l.mode = {}").format(mode))
+    return _held(keys, sql.SQL(" AND l.mode OPERATOR(pg_catalog.=) {}").format(mode))
 
 
 def _held(keys: Sequence[int], mode: sql.Composable) -> sql.Composed:
     return sql.SQL(
-        "SELECT k FROM unnest({keys}) AS k WHERE EXISTS ("
+        "SELECT k FROM pg_catalog.unnest({keys}) AS k WHERE EXISTS ("
         " SELECT 1 FROM pg_catalog.pg_locks l"
-        " WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid()"
-        " AND l.granted AND l.objsubid = 1{mode}"
-        " AND ((l.classid::bigint << 32) | l.objid::bigint) = k)"
-    ).format(keys=_keys_array(keys), mode=mode)
+        " WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory'"
+        " AND l.pid OPERATOR(pg_catalog.=) pg_catalog.pg_backend_pid()"
+        " AND l.granted AND l.objsubid OPERATOR(pg_catalog.=) 1{mode}"
+        " AND {key} OPERATOR(pg_catalog.=) k)"
+    ).format(keys=_keys_array(keys), mode=mode, key=_ADVISORY_KEY)
 
 
 def unlock_if_held(keys: Sequence[int], *, shared: bool) -> sql.Composed:
@@ -411,13 +432,17 @@ def unlock_if_held(keys: Sequence[int], *, shared: bool) -> sql.Composed:
 # so it reads pg_locks completely before the outer select list calls pg_advisory_unlock_all().
 UNLOCK_ALL_REPORTING = (
     "SELECT s.held, pg_catalog.pg_advisory_unlock_all() FROM ("
-    " SELECT array_agg(CASE WHEN l.objsubid = 1"
-    "   THEN ((l.classid::bigint << 32) | l.objid::bigint)::text"
-    "   ELSE l.classid::text || ',' || l.objid::text END"
-    "   || CASE WHEN l.mode = 'ShareLock' THEN ' shared' ELSE '' END"
+    " SELECT pg_catalog.array_agg(CASE WHEN l.objsubid OPERATOR(pg_catalog.=) 1"
+    "   THEN ((l.classid::bigint OPERATOR(pg_catalog.<<) 32)"
+    "    OPERATOR(pg_catalog.|) l.objid::bigint)::pg_catalog.text"
+    "   ELSE l.classid::pg_catalog.text OPERATOR(pg_catalog.||) ','"
+    "   OPERATOR(pg_catalog.||) l.objid::pg_catalog.text END"
+    "   OPERATOR(pg_catalog.||)"
+    "   CASE WHEN l.mode OPERATOR(pg_catalog.=) 'ShareLock' THEN ' shared' ELSE '' END"
     "   ORDER BY l.classid, l.objid) AS held"
     " FROM pg_catalog.pg_locks l"
-    " WHERE l.locktype = 'advisory' AND l.pid = pg_catalog.pg_backend_pid() AND l.granted"
+    " WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory'"
+    " AND l.pid OPERATOR(pg_catalog.=) pg_catalog.pg_backend_pid() AND l.granted"
     ") s"
 )
 
@@ -447,7 +472,8 @@ LEADER_UNLOCK = "SELECT pg_catalog.pg_advisory_unlock_all()"
 
 LEADER_SESSION = (
     "SELECT pg_catalog.pg_backend_pid(), a.backend_start, pg_catalog.pg_is_in_recovery()"
-    " FROM pg_catalog.pg_stat_activity a WHERE a.pid = pg_catalog.pg_backend_pid()"
+    " FROM pg_catalog.pg_stat_activity a"
+    " WHERE a.pid OPERATOR(pg_catalog.=) pg_catalog.pg_backend_pid()"
 )
 
 
@@ -456,11 +482,13 @@ def new_term(server_version: int) -> sql.Composed:
     wrapping) of a transaction begun after the lock was won, committed durably, plus the WAL
     timeline << 44. An asynchronous failover can lose the last transaction ids and hand them out
     again; the promotion's new timeline puts every later term above them (docs/leader.md)."""
-    xid = "pg_current_xact_id()::text::bigint" if server_version >= 130000 else "txid_current()"
+    current = "pg_catalog.pg_current_xact_id()::pg_catalog.text::bigint"
+    xid = current if server_version >= 130000 else "pg_catalog.txid_current()"
     return sql.SQL(
-        "BEGIN READ WRITE; SET LOCAL synchronous_commit = on; SELECT (('x' || lpad(substr("
-        "pg_catalog.pg_walfile_name(pg_catalog.pg_current_wal_lsn()), 1, 8), 16, '0'))"
-        "::bit(64)::bigint << 44) + pg_catalog.{}; COMMIT"
+        "BEGIN READ WRITE; SET LOCAL synchronous_commit = on; SELECT (('x' OPERATOR(pg_catalog.||)"
+        " pg_catalog.lpad(pg_catalog.substr(pg_catalog.pg_walfile_name("
+        "pg_catalog.pg_current_wal_lsn()), 1, 8), 16, '0'))::bit(64)::bigint"
+        " OPERATOR(pg_catalog.<<) 44) OPERATOR(pg_catalog.+) {}; COMMIT"
     ).format(sql.SQL(xid))
 
 
@@ -477,15 +505,22 @@ def leader_holds(key: int, pid: int, backend_start: object) -> sql.Composed:
     return sql.SQL(
         "SELECT EXISTS ("
         " SELECT 1 FROM pg_catalog.pg_locks l"
-        " WHERE l.locktype = 'advisory' AND l.pid = {pid} AND l.granted AND l.objsubid = 1"
-        " AND l.mode = 'ExclusiveLock'"
-        " AND l.database = (SELECT oid FROM pg_catalog.pg_database"
-        "                   WHERE datname = pg_catalog.current_database())"
-        " AND ((l.classid::bigint << 32) | l.objid::bigint) = {key}"
+        " WHERE l.locktype OPERATOR(pg_catalog.=) 'advisory'"
+        " AND l.pid OPERATOR(pg_catalog.=) {pid} AND l.granted"
+        " AND l.objsubid OPERATOR(pg_catalog.=) 1"
+        " AND l.mode OPERATOR(pg_catalog.=) 'ExclusiveLock'"
+        " AND l.database OPERATOR(pg_catalog.=) (SELECT oid FROM pg_catalog.pg_database"
+        "  WHERE datname OPERATOR(pg_catalog.=) pg_catalog.current_database())"
+        " AND {lock_key} OPERATOR(pg_catalog.=) {key}"
         ") AND EXISTS ("
-        " SELECT 1 FROM pg_catalog.pg_stat_activity a WHERE a.pid = {pid}"
-        " AND (a.backend_start IS NULL OR a.backend_start = {start}))"
-    ).format(pid=sql.Literal(pid), key=sql.Literal(key), start=sql.Literal(backend_start))
+        " SELECT 1 FROM pg_catalog.pg_stat_activity a WHERE a.pid OPERATOR(pg_catalog.=) {pid}"
+        " AND (a.backend_start IS NULL"
+        "  OR a.backend_start OPERATOR(pg_catalog.=) {start}::pg_catalog.timestamptz))"
+    ).format(
+        pid=sql.Literal(pid), lock_key=_ADVISORY_KEY, key=sql.Literal(key),
+        # As text: psycopg would add an unqualified ::timestamptz to a datetime literal.
+        start=sql.Literal(None if backend_start is None else str(backend_start)),
+    )
 
 
 # Semaphores (pglock/sql/0002_semaphores.up.sql): each call is one simple query with literal
@@ -504,8 +539,9 @@ def semaphore_acquire(
     return sql.SQL(
         "BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE; SET LOCAL synchronous_commit = on; "
         "SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; "
-        "SELECT granted, max_permits, held, retry_in FROM {}.semaphore_acquire("
-        "{}::text, {}::integer, {}::text, {}::integer, {}::float8, {}::jsonb, {}::boolean); COMMIT"
+        "SELECT granted, max_permits, held, retry_in FROM {}.semaphore_acquire({}::pg_catalog.text,"
+        " {}::integer, {}::pg_catalog.text, {}::integer, {}::double precision,"
+        " {}::pg_catalog.jsonb, {}::boolean); COMMIT"
     ).format(sql.Identifier(schema), *map(sql.Literal, args))
 
 
@@ -515,7 +551,10 @@ def semaphore_extend(
     """The holders renewed among the (name, holders, ttl) given, in one round trip. Committed
     durably: after a crash the server must not believe a permit ends sooner than its holder."""
     renew = sql.SQL(" UNION ALL ").join(
-        sql.SQL("SELECT holder FROM {}.semaphore_extend({}::text, {}::text[], {}::float8)").format(
+        sql.SQL(
+            "SELECT holder FROM {}.semaphore_extend("
+            "{}::pg_catalog.text, {}::pg_catalog.text[], {}::double precision)"
+        ).format(
             sql.Identifier(schema), sql.Literal(name), sql.Literal(list(holders)), sql.Literal(ttl)
         )
         for name, holders, ttl in permits
@@ -530,15 +569,15 @@ def semaphore_release(schema: str, name: str, holder: str) -> sql.Composed:
     """One row: status ('released', 'expired', 'not_held'), notified. In a transaction of
     its own, READ WRITE whatever the session's default."""
     return sql.SQL(
-        "BEGIN READ WRITE; "
-        "SELECT status, notified FROM {s}.semaphore_release({name}::text, {holder}::text); COMMIT"
+        "BEGIN READ WRITE; SELECT status, notified"
+        " FROM {s}.semaphore_release({name}::pg_catalog.text, {holder}::pg_catalog.text); COMMIT"
     ).format(s=sql.Identifier(schema), name=sql.Literal(name), holder=sql.Literal(holder))
 
 
 def semaphore_info(schema: str, name: str) -> sql.Composed:
     """Zero or one row: name, max_permits, held (live permits), holders."""
     return sql.SQL(
-        "SELECT name, max_permits, held, holders FROM {s}.semaphore_info({name}::text)"
+        "SELECT name, max_permits, held, holders FROM {s}.semaphore_info({name}::pg_catalog.text)"
     ).format(s=sql.Identifier(schema), name=sql.Literal(name))
 
 
@@ -547,31 +586,32 @@ def semaphore_info(schema: str, name: str) -> sql.Composed:
 
 
 #: Lease statements by kind: (function, result columns or "" for its one value, parameter
-#: types; ``%b``: sent in binary). Revision 0004's ``_v4`` functions (pglock/sql/0004_*) queue
-#: waiters: acquire_v4 adds liveness seconds and returns waiter_id (not NULL: queued).
+#: types, as pg_catalog names; ``%b``: sent in binary). Revision 0004's ``_v4`` functions
+#: (pglock/sql/0004_*) queue waiters: acquire_v4 adds liveness seconds and returns waiter_id
+#: (not NULL: queued).
 LEASE_STATEMENTS = {
     # (name, holder, ttl, metadata json text, wait seconds, durable) -> one row
     "acquire": ("acquire", "granted, holder, token, acquired_at, expires_at, server_time",
-                "text text float8 jsonb float8 boolean"),
+                "text text float8 jsonb float8 bool"),
     "acquire_v4": ("acquire_v4", "granted, holder, token, acquired_at, expires_at, server_time, "
-                   "waiter_id", "text text float8 jsonb float8 boolean float8"),
+                   "waiter_id", "text text float8 jsonb float8 bool float8"),
     # (name, holder, token or NULL for any, ttl, durable) -> zero or one row
     "extend": ("extend", "token, acquired_at, expires_at, metadata",
-               "text text bigint float8 boolean"),
+               "text text int8 float8 bool"),
     # (names[], holders[], tokens[], ttls[], durable, wait seconds) -> the leases renewed (the
     # arrays in binary: text dumping would quote-scan every element of a 10,000-lease round)
     "extend_many": ("extend_many", "name, token, expires_at",
-                    "text[]%b text[]%b bigint[]%b float8[]%b boolean float8"),
+                    "text[]%b text[]%b int8[]%b float8[]%b bool float8"),
     # (name, holder, token) -> status ('released', 'expired', 'not_held'), notified; _v4: and the
     # grant it handed to the first live waiter in the same transaction
-    "release": ("release", "status, notified", "text text bigint"),
+    "release": ("release", "status, notified", "text text int8"),
     "release_v4": ("release_v4", "status, notified, next_holder, next_token, next_waiter, "
-                   "next_acquired_at, next_expires_at", "text text bigint"),
+                   "next_acquired_at, next_expires_at", "text text int8"),
     # (name, holder, waiter_id, liveness) -> state ('waiting', 'granted', 'gone') and its grant
     "wait_v4": ("wait_v4", "state, ahead, token, acquired_at, expires_at, server_time",
-                "text text bigint float8"),
-    "leave_v4": ("leave_v4", "", "text text bigint"),  # -> whether the waiter row was there
-    "guard": ("guard", "", "text text bigint"),  # -> held; its row locked until the txn ends
+                "text text int8 float8"),
+    "leave_v4": ("leave_v4", "", "text text int8"),  # -> whether the waiter row was there
+    "guard": ("guard", "", "text text int8"),  # -> held; its row locked until the txn ends
     # (name) -> the live lease of that name, if any; (prefix or NULL) -> every live lease
     "info": ("info", "name, holder, token, acquired_at, expires_at, metadata, expires_in", "text"),
     "list": ("leases", "name, holder, token, acquired_at, expires_at, metadata, expires_in",
@@ -582,7 +622,8 @@ LEASE_STATEMENTS = {
 def lease_statement(kind: str, schema: str) -> sql.Composed:
     """The statement of lease ``kind`` (:data:`LEASE_STATEMENTS`) in ``schema``."""
     function, columns, types = LEASE_STATEMENTS[kind]
-    args = ", ".join(f"%b::{t[:-2]}" if t.endswith("%b") else f"%s::{t}" for t in types.split())
+    casts = [("%b", t[:-2]) if t.endswith("%b") else ("%s", t) for t in types.split()]
+    args = ", ".join(f"{p}::pg_catalog.{t}" for p, t in casts)
     call = sql.SQL("{}.{}(" + args + ")").format(sql.Identifier(schema), sql.SQL(function))
     if not columns:
         return sql.SQL("SELECT {}").format(call)

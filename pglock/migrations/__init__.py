@@ -21,6 +21,19 @@ VERSIONS_DIR = str(Path(__file__).resolve().parent / "versions")
 #: The Alembic branch label of pglock's revisions: ``alembic upgrade pglock@head``.
 BRANCH_LABEL = "pglock"
 
+#: Around the revisions' statements, in their transaction: their DDL (column and parameter
+#: types, defaults, checks, collations, signatures) resolves names in pg_catalog alone, whatever
+#: the installer's search_path, which is then set back for what follows (a user's migrations).
+PIN_SEARCH_PATH = sql.SQL(
+    "SELECT pg_catalog.set_config('pglock.search_path',"
+    " pg_catalog.current_setting('search_path'), true);"
+    " SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true)"
+).format()
+RESTORE_SEARCH_PATH = sql.SQL(
+    "SELECT pg_catalog.set_config('search_path',"
+    " pg_catalog.current_setting('pglock.search_path'), true)"
+).format()
+
 __all__ = [
     "BRANCH_LABEL",
     "VERSIONS_DIR",
@@ -90,9 +103,11 @@ def alembic_schema() -> str:
 
 def alembic_execute(statements: list[Any]) -> None:
     """Run composed statements through Alembic: verbatim on the connection (online), or as
-    SQL text (offline, ``alembic upgrade --sql``)."""
+    SQL text (offline, ``alembic upgrade --sql``), between :data:`PIN_SEARCH_PATH` and
+    :data:`RESTORE_SEARCH_PATH`."""
     from alembic import context, op
 
+    statements = [PIN_SEARCH_PATH, *statements, RESTORE_SEARCH_PATH]
     # The text goes out verbatim: no bind-parameter parsing of ':name' (SQLAlchemy text())
     # nor of '%' (psycopg placeholders), which PL/pgSQL bodies are full of.
     if context.is_offline_mode():
