@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, cast
 
 import psycopg
+
+from ._keys import exact
 
 
 class Kind(enum.Enum):
@@ -122,6 +124,14 @@ def classify(
     message = f"{api} takes {wanted}; got {got}"
     hint = (hints or {}).get(kind) if kind is not None else None
     raise TypeError(f"{message}: {hint}" if hint else message)
+
+
+def dsn(source: object, what: str = "the DSN") -> str:
+    """A :attr:`Kind.DSN` source by value (:func:`pglock._keys.exact`); ValueError if blank."""
+    text = exact(cast(str, source))
+    if not text.strip():
+        raise ValueError(f"{what} must not be empty")
+    return text
 
 
 def check_driver(dialect: Any) -> None:

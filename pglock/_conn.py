@@ -34,6 +34,7 @@ from psycopg.types.string import TextBinaryLoader, TextLoader
 from . import _sql
 from ._classify import HELD, Kind, check_driver, classify
 from ._deadline import within
+from ._keys import exact
 from .errors import (
     DeadlockDetected,
     InvalidConnectionState,
@@ -833,7 +834,7 @@ def validate_pooler(value: object) -> str:
             f"pooler must be a str, one of {', '.join(map(repr, POOLER_MODES))}, "
             f"not {type(value).__name__}"
         )
-    if value not in POOLER_MODES:
+    if (value := exact(value)) not in POOLER_MODES:
         raise ValueError(
             f"pooler must be one of {', '.join(map(repr, POOLER_MODES))}, not {value!r}"
         )

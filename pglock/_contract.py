@@ -36,6 +36,7 @@ def validate_schema(schema: object) -> str:
     (reserved by Postgres); else ``TypeError`` (not a ``str``) or ``ValueError``."""
     if not isinstance(schema, str):
         raise TypeError(f"schema must be a str, not {type(schema).__name__}")
+    schema = str.__str__(schema)  # by value (pglock._keys.exact; this module imports none)
     if not SCHEMA_PATTERN.fullmatch(schema):
         raise ValueError(
             f"invalid schema name {schema!r}: use 1 to 63 characters from a-z, 0-9 and _, "

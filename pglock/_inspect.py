@@ -127,7 +127,7 @@ def advisory_locks(
             print(lock.label, lock.pid, lock.application_name, lock.granted, lock.held_for)
     """
     keys = None if name is None else [k for k, _ in normalize_names(name)]
-    validate_schema(schema)
+    schema = validate_schema(schema)
     c = _conn.resolve(conn, "advisory_locks").conn
     waitstart = c.info.server_version >= 140000
 
@@ -252,7 +252,7 @@ def semaphores(
             print(sem.name, f"{sem.held}/{sem.limit}", [h.holder for h in sem.holders])
     """
     if name is not None:
-        validate_name(name)
+        name = validate_name(name)
     schema = validate_schema(schema)
     c = _conn.resolve(conn, "semaphores").conn
 

@@ -20,7 +20,7 @@ import functools
 import hashlib
 import math
 import time
-from typing import Any
+from typing import Any, TypeVar, cast
 
 #: The longest name accepted, in UTF-8 bytes. Lease names are a primary key and Postgres btree
 #: index rows are limited to about 2704 bytes, so the cap stays well below that.
@@ -29,11 +29,27 @@ MAX_NAME_BYTES = 1024
 #: The longest wait pglock can hand to ``lock_timeout`` (Postgres takes INT_MAX milliseconds).
 MAX_TIMEOUT = 2_147_483.0
 
+_T = TypeVar("_T")
+#: Each builtin type's own copy of a subclass's value (``str(x)``, ``float(x)``... are the
+#: subclass's to override): a str Enum member becomes its value, an IntEnum member an int.
+_BY_VALUE: Any = ((bool, bool), (str, str.__str__), (int, int.__index__), (float, float.__float__))
+
+
+def exact(value: _T) -> _T:
+    """``value`` as its exact builtin type, by value: the one coercion of every argument, so
+    that a ``str``/``int``/``float`` subclass or Enum member is the same lock, lease, key and
+    message as its plain value. Other objects are returned as they are."""
+    for kind, copy in _BY_VALUE:
+        if isinstance(value, kind):
+            return cast(_T, copy(value))
+    return value
+
 
 def validate_name(name: object) -> str:
     """Return ``name`` if it is a valid lock name, else raise ``TypeError``/``ValueError``."""
     if not isinstance(name, str):
         raise TypeError(f"a lock name must be a str, not {type(name).__name__}")
+    name = exact(name)
     if not name:
         raise ValueError("a lock name must not be empty")
     if "\x00" in name:
@@ -63,8 +79,7 @@ def key(name: str) -> int:
     >>> key("account:1") == key("account:1")
     True
     """
-    validate_name(name)
-    return _key(name)
+    return _key(validate_name(name))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -83,7 +98,7 @@ def normalize_names(names: object) -> list[tuple[int, str]]:
     (every process takes several names in the same order, so overlapping sets cannot deadlock).
     """
     if isinstance(names, str):
-        return [_pair(names)]
+        return [_pair(exact(names))]
     if isinstance(names, (bytes, bytearray, memoryview)):
         raise TypeError("a lock name must be a str, not bytes; decode it first")
     if not isinstance(names, (list, tuple, set, frozenset)):
@@ -93,8 +108,8 @@ def normalize_names(names: object) -> list[tuple[int, str]]:
     if not names:
         raise ValueError("at least one lock name is required")
     by_key: dict[int, str] = {}
-    for n in names:
-        by_key.setdefault(_key(validate_name(n)), n)
+    for n in map(validate_name, names):
+        by_key.setdefault(_key(n), n)
     return sorted(by_key.items())
 
 
@@ -118,7 +133,7 @@ def validate_timeout(timeout: object, *, what: str = "timeout") -> float | None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"{what} must be None or a number of seconds, not {type(timeout).__name__}")
-    value = float(timeout)
+    value = float(timeout := exact(timeout))
     if math.isnan(value):
         raise ValueError(f"{what} must be a number of seconds, not NaN")
     if value < 0:

@@ -21,7 +21,7 @@ from . import _advisory, _conn, _sql, _xact
 from ._base import release_after
 from ._classify import Kind, check_driver, classify
 from ._deadline import within
-from ._keys import _key, key, validate_name, validate_timeout
+from ._keys import _key, exact, key, validate_name, validate_timeout
 from ._keys import deadline as _deadline
 from ._keys import remaining as _remaining
 from .errors import LockError, LockLost, LockNotAcquired, UnsupportedServer
@@ -96,7 +96,7 @@ def _from_connection(conn: psycopg.Connection[Any], extra: dict[str, Any]) -> st
 def _seconds(value: object, what: str, *, minimum: float, allow_zero: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what} must be a number of seconds, not {type(value).__name__}")
-    v = float(value)
+    v = float(value := exact(value))
     if math.isnan(v) or math.isinf(v):
         raise ValueError(f"{what} must be a finite number of seconds, got {value!r}")
     if allow_zero and v == 0:
@@ -140,9 +140,9 @@ class LeaderElection:
         takeover_delay: float | None = None, network_timeout: float = 5.0, pooler: str = "auto",
     ) -> None:
         self._name = validate_name(name)
-        self._key = key(name)
-        self._fence_key = _key(_FENCE_PREFIX + name)
-        check_dedicated_source(source)
+        self._key = key(self._name)
+        self._fence_key = _key(_FENCE_PREFIX + self._name)
+        check_dedicated_source(source := exact(source))
         self._source = source
         self._on_elected = _callback(on_elected, "on_elected")
         self._on_lost = _callback(on_lost, "on_lost")

@@ -16,7 +16,7 @@ from psycopg.pq import TransactionStatus
 from . import _conn, _sql, _ttl
 from ._classify import HELD, SOURCES, classify
 from ._contract import DEFAULT_SCHEMA, lease_channel, validate_schema
-from ._keys import validate_name
+from ._keys import exact, validate_name
 from ._source import SHORT_DEADLINE, Source, short_deadline
 from ._source import make_source as _make_source
 from .errors import InvalidConnectionState, SchemaNotInstalled
@@ -185,7 +185,7 @@ def lease_info(conn: object, name: str, *, schema: str = DEFAULT_SCHEMA) -> Leas
         if info is not None:
             print(info.holder, info.token, info.expires_in)
     """
-    validate_name(name)
+    name = validate_name(name)
     schema = validate_schema(schema)
     rows = _query(conn, "info", schema, (name,))
     return info_row(rows[0]) if rows else None
@@ -203,7 +203,7 @@ def list_leases(
     if prefix is not None:
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str or None, not {type(prefix).__name__}")
-        if "\x00" in prefix:
+        if "\x00" in (prefix := exact(prefix)):
             raise ValueError("prefix must not contain NUL (\\x00) characters")
     schema = validate_schema(schema)
     return [info_row(r) for r in _query(conn, "list", schema, (prefix,))]

@@ -7,15 +7,15 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 from psycopg_pool import ConnectionPool
 
-from ._classify import SOURCES, Deferred, Kind, classify
+from ._classify import SOURCES, Deferred, Kind, classify, dsn
 from ._conn import validate_pooler
 from ._contract import validate_schema
 from ._deadline import connect_extra
-from ._keys import normalize_names, validate_name, validate_timeout
+from ._keys import exact, normalize_names, validate_name, validate_timeout
 from ._leader import LeaderElection, LeaderOptions
 from ._lease import Lease, LeaseOptions
 from ._lease import lease as _lease
@@ -37,7 +37,7 @@ def _validate_namespace(namespace: object) -> str | None:
         return None
     if not isinstance(namespace, str):
         raise TypeError(f"namespace must be a str or None, not {type(namespace).__name__}")
-    validate_name(namespace)
+    namespace = validate_name(namespace)
     if ":" in namespace:
         raise ValueError(
             f"namespace must not contain ':' (got {namespace!r}): the full lock name is "
@@ -89,9 +89,7 @@ class Locker:
         self._dsn: str | None = None
         self._external: object = None
         if classify(source, SOURCES, api="Locker", hints=_USE_PG_LOCK) is Kind.DSN:
-            if not cast(str, source).strip():
-                raise ValueError("the DSN must not be empty")
-            self._dsn = cast(str, source)
+            self._dsn = dsn(source)
         else:
             _classify(source, "Locker")
             self._external = source
@@ -102,7 +100,7 @@ class Locker:
                 )
         if pool_kwargs is not None and not isinstance(pool_kwargs, Mapping):
             raise TypeError(f"pool_kwargs must be a mapping, not {type(pool_kwargs).__name__}")
-        self._pool_kwargs = dict(pool_kwargs or {})
+        self._pool_kwargs = {exact(k): exact(v) for k, v in (pool_kwargs or {}).items()}
         for forbidden in ("open", "conninfo"):
             if forbidden in self._pool_kwargs:
                 raise TypeError(f"pool_kwargs must not set {forbidden!r}")
@@ -134,7 +132,7 @@ class Locker:
 
         :raises TypeError, ValueError: an invalid name (or too long with the namespace).
         """
-        validate_name(name)
+        name = validate_name(name)
         full = name if self._namespace is None else f"{self._namespace}:{name}"
         return validate_name(full)
 

@@ -17,7 +17,7 @@ import psycopg
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 
-from . import _conn, _sql
+from . import _classify, _conn, _sql
 from ._classify import Kind, classify
 from ._contract import DEFAULT_SCHEMA, install_lock_key, validate_schema
 from ._deadline import connect_extra
@@ -110,9 +110,7 @@ def install(target: str | psycopg.Connection[Any], *, schema: str = DEFAULT_SCHE
     schema = validate_schema(schema)
     plan = revisions()
     if classify(target, (Kind.DSN, Kind.CONNECTION), api="install()") is Kind.DSN:
-        dsn = cast(str, target)
-        if not dsn.strip():
-            raise ValueError("the DSN must not be empty")
+        dsn = _classify.dsn(target)
         with psycopg.connect(make_conninfo(dsn, **connect_extra(dsn)), autocommit=True) as conn:
             return _install(conn, schema, plan)
     target = cast("psycopg.Connection[Any]", target)

@@ -22,7 +22,7 @@ from . import _base, _conn, _sql, _ttl, _waiting
 from ._classify import Deferred
 from ._contract import DEFAULT_SCHEMA, LIMIT_MISMATCH, semaphore_channel, validate_schema
 from ._deadline import NoAnswer
-from ._keys import DEFAULT, validate_name, validate_timeout
+from ._keys import DEFAULT, exact, validate_name, validate_timeout
 from ._source import ANSWER_GRACE, WAIT_CHUNK, DsnSource, Source, make_source, short_deadline
 from ._validate import encode_metadata, validate_ttl
 from ._waiting import Attempt
@@ -61,7 +61,7 @@ SEMAPHORES = _ttl.Rows("semaphore", semaphore_channel, look_again_on_subscribe=T
 def _count_arg(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
-    if value < 1 or value > MAX_LIMIT:
+    if (value := exact(value)) < 1 or value > MAX_LIMIT:
         raise ValueError(f"{what} must be between 1 and {MAX_LIMIT}, got {value!r}")
     return value
 
@@ -347,7 +347,7 @@ class Semaphore(_base.BaseLock):
         if not isinstance(blocking, bool):
             raise TypeError(
                 f"blocking must be True or False, not {type(blocking).__name__}; pass the "
-                f"number of permits as acquire(permits={blocking!r})"
+                f"number of permits as acquire(permits={exact(blocking)!r})"
             )
         wait = _base.wait_for(blocking, timeout, self._timeout)
         return self._push(self._take(_count_arg(permits, "permits"), wait))

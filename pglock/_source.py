@@ -18,7 +18,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.pq import TransactionStatus
 
-from . import _conn, _sql
+from . import _classify, _conn, _sql
 from ._classify import HELD, SOURCES, Kind, check_driver, classify
 from ._deadline import NoAnswer, close_quietly, connect_extra, connect_within, within
 
@@ -403,9 +403,7 @@ def make_source(source: object, user: str) -> Source:
     if kind is Kind.ENGINE:
         check_driver(cast(Any, source).dialect)
         return EngineSource(source)
-    dsn = cast(str, source)
-    if not dsn.strip():
-        raise ValueError("the DSN must not be empty")
+    dsn = _classify.dsn(source)
     try:
         conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _keepalive
+from ._keys import exact
 from .errors import DeadlockDetected, LockLost, LockNotAcquired
 
 logger = logging.getLogger("pglock.telemetry")
@@ -95,7 +96,7 @@ def configure_telemetry(
         raise TypeError(f"name_label must be callable or None, not {type(name_label).__name__}")
     if isinstance(span_threshold, bool) or not isinstance(span_threshold, (int, float)):
         raise TypeError(f"span_threshold must be seconds, not {type(span_threshold).__name__}")
-    if not (span_threshold >= 0 and math.isfinite(span_threshold)):
+    if not ((span_threshold := exact(span_threshold)) >= 0 and math.isfinite(span_threshold)):
         raise ValueError(f"span_threshold must be a finite number >= 0, not {span_threshold!r}")
     with _lock:
         if not enabled:

@@ -8,6 +8,7 @@ import math
 from collections.abc import Mapping
 
 from ._contract import MAX_TTL
+from ._keys import exact
 
 #: The largest metadata accepted, in bytes of compact JSON (UTF-8).
 MAX_METADATA_BYTES = 65536
@@ -23,7 +24,7 @@ def validate_ttl(
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
         raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
     try:
-        value = float(ttl)
+        value = float(ttl := exact(ttl))
     except OverflowError:
         value = math.inf
     if math.isnan(value):
@@ -41,6 +42,7 @@ def validate_holder(holder: object) -> str:
     """A holder id: a non-empty ``str`` of at most :data:`MAX_HOLDER_BYTES` UTF-8 bytes."""
     if not isinstance(holder, str):
         raise TypeError(f"holder must be a str, not {type(holder).__name__}")
+    holder = exact(holder)
     if not holder:
         raise ValueError("holder must not be empty")
     if "\x00" in holder:
@@ -55,36 +57,44 @@ def validate_holder(holder: object) -> str:
 
 
 def encode_metadata(metadata: object) -> str | None:
-    """Compact JSON text of ``metadata`` (None stays None), checked as jsonb will check it."""
+    """Compact JSON text of ``metadata`` (None stays None), checked as jsonb will check it,
+    made of plain values: see :func:`_plain`."""
     if metadata is None:
         return None
+    value = _plain(metadata, ())
     try:
-        text = json.dumps(metadata, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
+        text = json.dumps(value, allow_nan=False, ensure_ascii=False, separators=(",", ":"))
     except TypeError as exc:
         raise TypeError(f"metadata must be JSON-serializable: {exc}") from None
-    except ValueError as exc:  # NaN/Infinity, or a circular reference
+    except ValueError as exc:  # NaN/Infinity
         raise ValueError(f"metadata must be valid JSON: {exc}") from None
-    _check_json_strings(metadata)
     size = len(text.encode("utf-8"))
     if size > MAX_METADATA_BYTES:
         raise ValueError(f"metadata must be at most {MAX_METADATA_BYTES} bytes of JSON, got {size}")
     return text
 
 
-def _check_json_strings(value: object) -> None:
-    # jsonb refuses \u0000 and unpaired surrogates; json.dumps would let both through.
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            if "\x00" in v:
-                raise ValueError("metadata strings must not contain NUL (\\x00): jsonb refuses it")
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError("metadata strings must be valid Unicode text") from None
-        elif isinstance(v, Mapping):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple)):
-            stack.extend(v)
+def _plain(value: object, within: tuple[int, ...]) -> object:
+    """``value`` by value, keys included (:func:`pglock._keys.exact`; a Mapping: a dict, a
+    tuple: a list): json.dumps would call a subclass's own methods. Strings are checked as
+    jsonb checks them: json.dumps lets NUL and unpaired surrogates through."""
+    value = exact(value)
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError("metadata strings must not contain NUL (\\x00): jsonb refuses it")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("metadata strings must be valid Unicode text") from None
+    elif isinstance(value, (Mapping, list, tuple)):
+        if id(value) in within:
+            raise ValueError("metadata must be valid JSON: it contains itself")
+        within += (id(value),)
+        if isinstance(value, Mapping):
+            # A key that is not a str stays one json.dumps refuses (a tuple is no list here).
+            return {
+                _plain(k, within) if isinstance(k, str) else exact(k): _plain(v, within)
+                for k, v in value.items()
+            }
+        return [_plain(v, within) for v in value]
+    return value

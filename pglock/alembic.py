@@ -15,7 +15,7 @@ import psycopg
 from psycopg.conninfo import make_conninfo
 
 from ._advisory import PgLock
-from ._classify import Kind, classify
+from ._classify import Kind, classify, dsn
 from ._conn import validate_pooler
 from ._deadline import connect_extra
 from ._keys import validate_name, validate_timeout
@@ -61,7 +61,7 @@ def migration_lock(
     :raises TypeError: an unsupported ``connection_or_url``; ``ValueError``: a bad name,
         timeout or ``pooler`` (both before connecting).
     """
-    validate_name(name)
+    name = validate_name(name)
     t = validate_timeout(timeout)
     mode = validate_pooler(pooler)
     return _hold(_opener(connection_or_url), name, t, mode)
@@ -80,9 +80,7 @@ def _opener(source: object) -> _Opener:
         hints={Kind.SESSION: "pass session.get_bind()"},
     )
     if kind is Kind.DSN:
-        assert isinstance(source, str)
-        if not source.strip():
-            raise ValueError("the database URL must not be empty")
+        source = dsn(source, "the database URL")
         if "://" in source:
             from sqlalchemy.engine import make_url
 
