@@ -175,6 +175,12 @@ class PgLock(BaseLock):
     def _not_acquired(self) -> LockNotAcquired:
         return LockNotAcquired.for_names(self._names, keys=self._keys, timeout=self._timeout)
 
+    def __del__(self) -> None:
+        # Collected while holding: its hold becomes a deferred unlock (no I/O here; see _holds).
+        state, owner = getattr(self, "_state", None), getattr(self, "_owner", None)
+        if state is not None and owner is not None:
+            state.collected.append((self._keys, owner))
+
     def _wake(self) -> None:
         state = _conn.state_for(self._target.conn)
         with state.lock:  # a wait in-process, for another thread of this connection

@@ -673,6 +673,8 @@ class ConnState:
         self.database: tuple[Any, ...] = ()  # (host, port, dbname), for the registry's cache
         self.backend_pid: int | None = None
         self.deferred: list[tuple[int, bool]] = []  # unlocks not sent (failed transaction at exit)
+        #: (keys, owner) of handles collected while holding (PgLock.__del__): see _holds.
+        self.collected: list[tuple[list[int], threading.Thread]] = []
         self.xact: dict[int, XactHold] = {}  # a record may outlive its lock (pg_locks decides)
         self.pooler = False  # a pooler (PgBouncer) sits between: see probe()
         #: What the caller declared about a pooler (``pooler=`` other than "auto"), if anything.
