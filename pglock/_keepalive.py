@@ -41,6 +41,10 @@ class Held:
     _keepalive = True  # False: nothing renews it (it is lost at its deadline all the same)
     _retry_at: float | None = None  # when to try again after a failed renewal
     _renewing = False  # a renewal of it is in flight (guarded by the keepalive's lock)
+    _pid = 0  # the process granted it (_ttl.register); another: not held in this forked child
+
+    def _inherited(self) -> bool:
+        return self._pid != os.getpid()
 
     def _live(self) -> bool:
         """Held and not known lost (read without the lock by the scheduler)."""
@@ -248,17 +252,6 @@ def call_soon(fn: Callable[[], object]) -> None:
     callbacks.call(fn)
 
 
-#: The process's keepalive and callback thread (new ones after a fork: the parent's grants
-#: stay the parent's, the child must not renew them).
+#: The process's keepalive and callback thread (new ones in a forked child: pglock._fork).
 scheduler = _Keepalive()
 callbacks = _Callbacks()
-
-
-def _after_fork_in_child() -> None:
-    global scheduler, callbacks
-    scheduler = _Keepalive()
-    callbacks = _Callbacks()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
