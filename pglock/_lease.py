@@ -184,7 +184,7 @@ class Lease(_base.BaseLock, _ttl.Held):
     def lost(self) -> bool:
         """True when the lease was held and is known lost (or its client deadline passed)."""
         with self._lock:
-            return self._lost_now()
+            return self._lost_now() and not self._inherited()
 
     def _lost_now(self) -> bool:
         return self._state is _LOST or (self._state is _HELD and time.monotonic() >= self._deadline)

@@ -27,6 +27,7 @@ import psycopg
 import psycopg_pool
 
 import pglock
+from pglock import _keepalive
 
 ChildFn = Callable[[], None]
 
@@ -492,13 +493,18 @@ class CancelSpy:
             setattr(psycopg.Connection, method, spy)
 
 
-def no_cancel(fn: ChildFn, parent_pids: set[int]) -> ChildFn:
-    """``fn``, which must not cancel what the parent's sessions run (see :class:`CancelSpy`)."""
+def watched(fn: ChildFn, parent_pids: set[int]) -> ChildFn:
+    """``fn`` in the child, then what the child must not have done: cancel what the parent's
+    sessions run (see :class:`CancelSpy`), keep the parent's grants in its keepalive (to renew
+    them, or report their loss), or schedule a user callback (``on_lost``)."""
 
     def run() -> None:
         spy = CancelSpy(parent_pids)
         fn()
         assert not spy.sent, f"the child cancelled statements of the parent's {spy.sent}"
+        inherited = [h for h in _keepalive.scheduler.held if h._inherited()]
+        assert not inherited, f"the child's keepalive has the parent's grants: {inherited}"
+        assert _keepalive.callbacks.thread is None, "the child ran a callback"
 
     return run
 

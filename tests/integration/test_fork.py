@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,15 +24,17 @@ from _forking import (
     KINDS,
     Kind,
     actions,
+    forked_error,
     in_child,
-    no_cancel,
     observer,
     sessions,
     unique_name,
     untouched,
+    watched,
 )
 
 import pglock
+from pglock import _keepalive
 
 HERE = Path(__file__).parent
 CELLS = [(kind, action) for kind in KINDS for action in actions(kind)]
@@ -50,7 +53,7 @@ def test_child_leaves_the_parents_holds_alone(
         with observer(dsn) as obs:
             truth, before = k.truth(obs), sessions(obs, app_name)
             assert truth, "the parent does not hold it"
-            status = in_child(forker, no_cancel(getattr(k, f"child_{action}"), set(before)))
+            status = in_child(forker, watched(getattr(k, f"child_{action}"), set(before)))
             assert status == 0, f"the child's {action} failed (its traceback: captured stderr)"
             assert k.truth(obs) == truth
             assert untouched(before, sessions(obs, app_name), k.busy) == []
@@ -78,3 +81,29 @@ def test_child_that_exits_normally_sends_nothing(
     assert report == {
         "child": 0, "truth_kept": True, "sessions": [], "release": None, "released": True,
     }, done.stderr
+
+
+@pytest.mark.parametrize("forker", ["os.fork", "multiprocessing"])
+def test_child_never_reports_the_parents_lease_lost(dsn: str, forker: str) -> None:
+    """Past the deadline its copy of the parent's lease had (the parent renews on), the child
+    neither reads it lost nor reports it: check() and extend() raise the fork's RuntimeError,
+    and on_lost never runs in the child."""
+    lost: list[int] = []
+    lease = pglock.lease(dsn, unique_name(), ttl=2.0, on_lost=lambda _: lost.append(os.getpid()))
+    assert lease.acquire()
+    try:
+        inherited_deadline = lease._deadline
+
+        def child() -> None:
+            while time.monotonic() < inherited_deadline:
+                time.sleep(0.02)
+            assert not lease.locked and not lease.lost
+            forked_error(lease.check)
+            forked_error(lease.extend)
+            assert _keepalive.callbacks.thread is None and lost == []
+
+        assert in_child(forker, child) == 0
+        assert lease.locked
+    finally:
+        lease.release()
+    assert lost == []
