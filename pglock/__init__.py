@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from . import _fork  # noqa: F401 (a forked child's fresh start)
 from ._advisory import PgLock, pg_lock
 from ._inspect import AdvisoryLock, SemaphoreHolder, SemaphoreInfo, advisory_locks, semaphores
 from ._keys import MAX_NAME_BYTES, key

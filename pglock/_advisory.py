@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -15,7 +16,7 @@ import psycopg
 from psycopg import sql
 
 from . import _conn, _holds, _registry, _sql
-from ._base import BaseLock
+from ._base import BaseLock, forked
 from ._conn import IDLE, INERROR, INTRANS, ConnState, Context, Flight, Target, XactHold
 from ._keys import deadline as _deadline
 from ._keys import normalize_names, validate_flag, validate_timeout
@@ -112,7 +113,7 @@ class PgLock(BaseLock):
     def locked(self) -> bool:
         """True while this handle holds the lock (as pglock believes; see :meth:`release`)."""
         state = self._state
-        return self._owner is not None and (state is None or state.lost is None)
+        return self._outstanding() and (state is None or state.lost is None)
 
     def __repr__(self) -> str:
         state = "locked" if self.locked else "unlocked"
@@ -124,7 +125,7 @@ class PgLock(BaseLock):
         gen = waiters.enter()
         try:
             with self._mutex:
-                if self._owner is not None:
+                if self._outstanding():
                     raise RuntimeError(
                         f"this pg_lock handle for {self._names!r} is already held; create "
                         "another pg_lock(...) to re-enter from the same thread"
@@ -152,7 +153,8 @@ class PgLock(BaseLock):
     def release(self) -> None:
         """Release the lock.
 
-        :raises RuntimeError: the handle does not hold the lock.
+        :raises RuntimeError: the handle does not hold the lock (in a forked child: its parent
+            holds it; nothing is sent).
         :raises pglock.LockLost: the session no longer held the lock (the connection was
             closed or terminated, or the lock was released behind pglock's back). The handle
             is unlocked all the same.
@@ -166,15 +168,24 @@ class PgLock(BaseLock):
                 _conn.no_pipeline(conn)  # refused before anything changes: still held
             self._owner = None
             state, self._state = self._state, None
+            if state is not None and state.pid != os.getpid():
+                raise forked(f"pg_lock {self._names!r}")
             if state is not None and state.lost is not None:
                 raise LockLost.for_names(self._names, state.lost)
             _release(self._target.conn, state, self._keys, self._names, owner)
 
     def _outstanding(self) -> bool:
-        return self._owner is not None
+        state = self._state  # taken in a parent of this forked process: not held here
+        return self._owner is not None and (state is None or state.pid == os.getpid())
 
     def _not_acquired(self) -> LockNotAcquired:
         return LockNotAcquired.for_names(self._names, keys=self._keys, timeout=self._timeout)
+
+    def __del__(self) -> None:
+        # Collected while holding: its hold becomes a deferred unlock (no I/O here; see _holds).
+        state, owner = getattr(self, "_state", None), getattr(self, "_owner", None)
+        if state is not None and owner is not None:
+            state.collected.append((self._keys, owner))
 
     def _wake(self) -> None:
         state = _conn.state_for(self._target.conn)

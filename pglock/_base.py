@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,13 @@ def release_after(release: Callable[[], None], exc: BaseException | None, what: 
         release()
     except Exception:
         logger.warning("releasing %s after the block raised %r failed", what, exc, exc_info=True)
+
+
+def forked(what: str) -> RuntimeError:
+    """A release (extend, guard, resign) in a forked child of ``what`` its parent holds, refused
+    before anything is sent: holds record their pid (docs/locks.md, "Processes and fork")."""
+    return RuntimeError(f"{what} is held by the parent of this forked process ({os.getpid()}), "
+                        "and a forked child never releases, renews or uses its parent's holds")
 
 
 class Waiters:

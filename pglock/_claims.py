@@ -86,13 +86,3 @@ def _prune() -> None:
         del _claims[key]
     _prune_at = max(1024, 2 * len(_claims))
 
-
-def _after_fork_in_child() -> None:
-    # The parent's leases stay the parent's (the child must not renew or release them).
-    global lock
-    _claims.clear()
-    lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import secrets
 import select
 import struct
@@ -760,6 +761,9 @@ class ConnState:
         self.database: tuple[Any, ...] = ()  # (host, port, dbname), for the registry's cache
         self.backend_pid: int | None = None
         self.deferred: list[tuple[int, bool]] = []  # unlocks not sent (failed transaction at exit)
+        #: (keys, owner) of handles collected while holding (PgLock.__del__): see _holds.
+        self.collected: list[tuple[list[int], threading.Thread]] = []
+        self.pid = os.getpid()  # another one: pglock used the connection in a forked parent
         self.xact: dict[int, XactHold] = {}  # a record may outlive its lock (pg_locks decides)
         self.pooler = False  # a pooler (PgBouncer) sits between: see probe()
         #: What the caller declared about a pooler (``pooler=`` other than "auto"), if anything.
@@ -782,7 +786,12 @@ def state_for(conn: psycopg.Connection[Any]) -> ConnState:
         state = _registry.get(conn)
         if state is None:
             state = _registry[conn] = ConnState()
-        return state
+    if state.pid != os.getpid():
+        raise InvalidConnectionState(
+            "pglock used this connection in the parent of this forked process: its session is "
+            "the parent's; a child opens connections of its own (docs/locks.md)"
+        )
+    return state
 
 
 def forget(conn: psycopg.Connection[Any], *, lost: str | None = None) -> ConnState | None:

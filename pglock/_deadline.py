@@ -239,11 +239,3 @@ def connect_within(
         "the background)", sent=False,
     )
 
-
-def _after_fork_in_child() -> None:
-    global _watchdog
-    _watchdog = _Watchdog()  # its thread is the parent's
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

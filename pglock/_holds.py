@@ -55,6 +55,7 @@ def reserve(
     from Postgres, or None at the deadline or once ``stop()``."""
     me = threading.current_thread()
     mode = "s" if shared else "x"
+    _drop_collected(state)
     with state.lock:
         if not state.holds and not state.xact:  # the common case: nothing else on the session
             for k in keys:
@@ -102,6 +103,15 @@ def unreserve(state: ConnState, keys: Sequence[int], me: threading.Thread) -> li
                 hold.pending = True
                 emptied.append(k)
         return emptied
+
+
+def _drop_collected(state: ConnState) -> None:
+    """Drop the holds of handles collected unreleased: unlocks sent with the next statement."""
+    while state.collected:
+        keys, owner = state.collected.pop()
+        emptied = unreserve(state, keys, owner)
+        state.deferred.extend((k, state.holds[k].mode == "s") for k in emptied)
+        settle(state, (), emptied)
 
 
 def settle(state: ConnState, granted: Sequence[int], dropped: Sequence[int]) -> None:
@@ -152,6 +162,7 @@ def xact_reserve(
     """
     me = threading.current_thread()
     mode = "s" if shared else "x"
+    _drop_collected(state)
     with state.lock:
         while state.holds and _session_conflict(state, keys, me, mode):
             left = remaining(deadline)

@@ -41,6 +41,10 @@ class Held:
     _keepalive = True  # False: nothing renews it (it is lost at its deadline all the same)
     _retry_at: float | None = None  # when to try again after a failed renewal
     _renewing = False  # a renewal of it is in flight (guarded by the keepalive's lock)
+    _pid = 0  # the process granted it (_ttl.register); another: not held in this forked child
+
+    def _inherited(self) -> bool:
+        return self._pid != os.getpid()
 
     def _live(self) -> bool:
         """Held and not known lost (read without the lock by the scheduler)."""
@@ -272,20 +276,16 @@ def call_soon(fn: Callable[[], object]) -> None:
     callbacks.call(fn)
 
 
-#: The process's keepalive, callback and telemetry threads (new ones after a fork: the
-#: parent's grants stay the parent's, the child must not renew them). Telemetry queues at most
-#: 10000 recordings (docs/observability.md), recorded in batches 50 ms after the first.
+#: The process's keepalive, callback and telemetry threads (new ones in a forked child:
+#: pglock._fork). Telemetry queues at most 10000 recordings (docs/observability.md), recorded
+#: in batches 50 ms after the first.
 scheduler = _Keepalive()
 callbacks = _Callbacks()
 telemetry = _Callbacks("pglock-telemetry", 10_000, 0.05)
 
 
-def _after_fork_in_child() -> None:
+def fresh() -> None:
+    """New threads and queues (in a forked child: the parent's grants stay the parent's)."""
     global scheduler, callbacks, telemetry
-    scheduler = _Keepalive()
-    callbacks = _Callbacks()
+    scheduler, callbacks = _Keepalive(), _Callbacks()
     telemetry = _Callbacks("pglock-telemetry", 10_000, 0.05)
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

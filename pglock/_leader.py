@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import os
 import random
 import sys
 import threading
@@ -18,7 +19,7 @@ from psycopg import conninfo as pg_conninfo
 from psycopg.pq import TransactionStatus
 
 from . import _advisory, _conn, _sql, _xact
-from ._base import release_after
+from ._base import forked, release_after
 from ._classify import Kind, check_driver, classify
 from ._deadline import within
 from ._keys import _key, exact, key, validate_name, validate_timeout
@@ -161,6 +162,7 @@ class LeaderElection:
         self._session: tuple[int, Any] | None = None  # (pid, backend_start) while leader
         self._events: collections.deque[tuple[str, int | None]] = collections.deque()
         self._running = False
+        self._pid = os.getpid()  # of start(): in a forked child, the parent's campaign
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._dispatcher: threading.Thread | None = None
@@ -187,7 +189,12 @@ class LeaderElection:
     def is_leader(self) -> bool:
         """True while this candidate is the leader and a check confirmed it recently."""
         with self._cond:
-            return self._leader and time.monotonic() < self._valid_until
+            return self._leader and time.monotonic() < self._valid_until and not self._forked()
+
+    def _forked(self, *, refuse: bool = False) -> bool:
+        if refuse and self._running and self._pid != os.getpid():
+            raise forked(f"leader election {self._name!r}")
+        return self._pid != os.getpid()
 
     @property
     def term(self) -> int | None:
@@ -201,10 +208,11 @@ class LeaderElection:
 
     def start(self) -> Self:
         """Start campaigning in the background (no-op when already campaigning)."""
+        self._forked(refuse=True)
         with self._cond:
             if self._running:
                 return self
-            self._running = True
+            self._running, self._pid = True, os.getpid()
             self._stop.clear()
             self._events.clear()
             self._thread = threading.Thread(
@@ -221,7 +229,9 @@ class LeaderElection:
     def resign(self) -> None:
         """Stop campaigning; if leader, step down: ``is_leader`` turns False, ``on_lost`` runs,
         and only then is the lock released. Returns when that is done (at once from a
-        callback, which cannot wait for itself); :meth:`start` may campaign again."""
+        callback, which cannot wait for itself); :meth:`start` may campaign again. In a forked
+        child, of the parent's campaign: RuntimeError, and nothing is sent."""
+        self._forked(refuse=True)
         with self._cond:
             if not self._running:
                 return
@@ -244,7 +254,8 @@ class LeaderElection:
         return self.start()
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        release_after(self.resign, exc, self)
+        if not self._forked():  # nothing of the parent's campaign to resign in a forked child
+            release_after(self.resign, exc, self)
 
     def wait_elected(self, timeout: float | None = None) -> bool:
         """Block until this candidate is the leader; False on timeout or after resign.
@@ -252,6 +263,7 @@ class LeaderElection:
         :raises RuntimeError: the election was not started.
         """
         deadline = _deadline(validate_timeout(timeout))
+        self._forked(refuse=True)
         with self._cond:
             if not self._running:
                 raise RuntimeError("the election is not running: call start() or use 'with'")
@@ -281,6 +293,7 @@ class LeaderElection:
                 election.guard(conn)
                 conn.execute("UPDATE jobs SET ...")
         """
+        self._forked(refuse=True)
         target = _conn.resolve(conn, "LeaderElection.guard")
         with self._cond:
             leading = self._leader and time.monotonic() < self._valid_until

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import sys
 import threading
@@ -99,6 +100,7 @@ class Lease(_base.BaseLock, _ttl.Held):
             if metadata is not None:
                 raise ValueError("resume=True keeps the stored metadata; do not pass metadata")
         self._holder = default_holder() if holder is None else validate_holder(holder)
+        self._default_holder, self._pid = holder is None, os.getpid()
         self._deferred: Deferred | None = None
         if isinstance(source, Deferred):  # a Locker's pool: resolved at the first acquire
             self._deferred = source
@@ -175,16 +177,21 @@ class Lease(_base.BaseLock, _ttl.Held):
     def locked(self) -> bool:
         """True while held and not lost (the client deadline has not passed)."""
         with self._lock:
-            return self._state is _HELD and time.monotonic() < self._deadline
+            held = self._state is _HELD and time.monotonic() < self._deadline
+            return held and not self._inherited()
 
     @property
     def lost(self) -> bool:
         """True when the lease was held and is known lost (or its client deadline passed)."""
         with self._lock:
-            return self._lost_now()
+            return self._lost_now() and not self._inherited()
 
     def _lost_now(self) -> bool:
         return self._state is _LOST or (self._state is _HELD and time.monotonic() >= self._deadline)
+
+    def _not_inherited(self) -> None:
+        if self._state in (_HELD, _LOST) and self._inherited():
+            raise _base.forked(f"lease {self._name!r}")
 
     def __repr__(self) -> str:
         return f"<pglock.Lease {self._name!r} {self._state.value} token={self._token}>"
@@ -209,9 +216,13 @@ class Lease(_base.BaseLock, _ttl.Held):
         return granted
 
     def _acquire_now(self, timeout: float | None, closed: _ttl.Closed) -> bool:
-        if self._deferred is not None:
+        if self._deferred is not None:  # a Locker's pool: looked up again (a child's own)
             self._bind(make_source(self._deferred.resolve()))
-            self._deferred = None
+        if self._inherited():  # a forked child holds nothing, nor shares a default holder id
+            self._state, self._pid = _NEW, os.getpid()  # (two children would both be granted)
+            if self._default_holder:
+                self._holder = default_holder()
+                self._bind(self._source)
         self._forget_lost()
         _claims.claim(self, resume=self._resume, in_use=self._in_use)
         granted = False
@@ -243,7 +254,7 @@ class Lease(_base.BaseLock, _ttl.Held):
                 self._state = _NEW
 
     def _outstanding(self) -> bool:
-        return self._state in (_HELD, _LOST)
+        return self._state in (_HELD, _LOST) and not self._inherited()
 
     def _not_acquired(self) -> LockNotAcquired:
         info = self._why_not
@@ -564,7 +575,9 @@ class Lease(_base.BaseLock, _ttl.Held):
             over with ``resume=True`` (nothing is sent: the lease is that handle's now).
         :raises psycopg.OperationalError: the release got no answer in time (the lease ends at
             its TTL).
+        :raises RuntimeError: in a forked child, of the parent's lease (nothing is sent).
         """
+        self._not_inherited()
         with self._op:
             with _claims.lock, self._lock:
                 if self._state not in (_HELD, _LOST):
@@ -611,8 +624,10 @@ class Lease(_base.BaseLock, _ttl.Held):
         """Raise :class:`pglock.LockLost` if the lease is lost or its deadline has passed. No
         SQL (the client's own knowledge): cheap enough to call in a loop.
 
-        :raises RuntimeError: the lease is not held (never acquired, or released).
+        :raises RuntimeError: the lease is not held (never acquired, or released; in a forked
+            child, the parent's lease).
         """
+        self._not_inherited()
         with self._lock:
             state, reason, deadline = self._state, self._lost_reason, self._deadline
         if state not in (_HELD, _LOST):

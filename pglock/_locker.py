@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -106,6 +107,7 @@ class Locker:
                 raise TypeError(f"pool_kwargs must not set {forbidden!r}")
         self._mutex = threading.Lock()
         self._own_pool: ConnectionPool[Any] | None = None
+        self._pid = os.getpid()  # of the own pool
         self._closed = False
         # What the locks it makes take as their source: the pool, looked up (or opened) at
         # their first acquire; a closed Locker refuses it then.
@@ -154,6 +156,8 @@ class Locker:
                 raise RuntimeError("this Locker is closed")
             if self._external is not None:
                 return self._external
+            if self._pid != os.getpid():  # a forked child: its own, the parent's left unclosed
+                self._own_pool, self._pid = None, os.getpid()
             if self._own_pool is None:
                 kwargs: dict[str, Any] = {"min_size": 1, "max_size": 10, "name": "pglock"}
                 kwargs.update(self._pool_kwargs)
@@ -172,11 +176,12 @@ class Locker:
 
     def close(self) -> None:
         """Close the pool this Locker created from a DSN (never a pool or engine you passed);
-        idempotent. Postgres releases the locks still held on its connections."""
+        idempotent. Postgres releases the locks still held on its connections. In a forked
+        child, the parent's pool is left alone (closing it would end the parent's sessions)."""
         with self._mutex:
             self._closed = True
             pool, self._own_pool = self._own_pool, None
-        if pool is not None:
+        if pool is not None and self._pid == os.getpid():
             _returns_settled(pool)
             pool.close()
 

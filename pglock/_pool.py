@@ -19,7 +19,7 @@ from psycopg_pool import PoolTimeout
 
 from . import _conn, _sql
 from ._advisory import PgLock
-from ._base import BaseLock
+from ._base import BaseLock, forked
 from ._classify import Deferred, Kind, check_driver, classify
 from ._conn import IDLE, INERROR, INTRANS
 from ._django import connected as django_connected
@@ -254,14 +254,15 @@ class PoolLock(BaseLock):
         return err
 
     def _outstanding(self) -> bool:
-        return self._conn is not None
+        lock = self._lock  # not held in a forked child of the process that took it
+        return lock is not None and lock._outstanding()
 
     def _entered(self) -> Any:
         return self._conn
 
     def _acquire(self, timeout: float | None) -> bool:
         with self._mutex:
-            if self._busy or self._conn is not None:
+            if self._busy or self._outstanding():
                 raise RuntimeError(
                     f"this pool_lock {self.names!r} is already held or being acquired; "
                     "create one per holder"
@@ -352,12 +353,15 @@ class PoolLock(BaseLock):
         """Commit what :attr:`connection` left open, release the lock and give the connection
         back to its pool (discarded when the release cannot be confirmed).
 
-        :raises RuntimeError: not held.
+        :raises RuntimeError: not held (in a forked child: the parent holds it; nothing sent).
         :raises pglock.LockLost: the lock was found gone (the connection was discarded).
         """
         if self._conn is None:
             raise RuntimeError(f"release of an unlocked pool_lock {self.names!r}")
+        inherited = not self._outstanding()
         self._end(None)
+        if inherited:
+            raise forked(f"pool_lock {self.names!r}")
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
         if self._conn is not None:  # else released inside the block
@@ -368,7 +372,7 @@ class PoolLock(BaseLock):
         self._source = self._conn = self._lock = None
         marks, self._marks = self._marks, None
         try:
-            if conn is not None and lock is not None and kind is not None:
+            if conn is not None and lock is not None and kind is not None and lock._outstanding():
                 self._finish(source, conn, lock, kind, exc)
         finally:
             if marks is not None:  # the acquiring thread's marks, not a later hold's

@@ -126,10 +126,13 @@ class Permit(_ttl.Held):
     @property
     def locked(self) -> bool:
         """True while held and, as far as this process knows, not lost."""
-        return not self._released and self._lost is None and time.monotonic() < self._deadline
+        return self._live() and time.monotonic() < self._deadline
 
     def check(self) -> None:
-        """:raises pglock.LockLost: the permits are no longer held (expired, or released)."""
+        """:raises pglock.LockLost: the permits are no longer held (expired, or released).
+        :raises RuntimeError: in a forked child, of the parent's permits."""
+        if self._inherited():
+            raise _base.forked(f"a permit of semaphore {self.name!r}")
         if self._released:
             raise LockLost(self.name, reason="the permit was released")
         if self._lost is not None:
@@ -138,14 +141,15 @@ class Permit(_ttl.Held):
             raise LockLost(self.name, reason="its TTL ran out before a renewal succeeded")
 
     def release(self) -> None:
-        """Give the permits back. :raises pglock.LockLost: they had expired meanwhile."""
+        """Give the permits back. :raises pglock.LockLost: they had expired meanwhile.
+        :raises RuntimeError: in a forked child, of the parent's permits (nothing is sent)."""
         self._sem._release_permit(self)
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        if not self._released:
+        if not self._released and not self._inherited():
             _base.release_after(self.release, exc, f"semaphore {self.name!r}")
 
     def __repr__(self) -> str:
@@ -153,7 +157,7 @@ class Permit(_ttl.Held):
         return f"<pglock.Permit {self.name!r} permits={self.permits} {state}>"
 
     def _live(self) -> bool:
-        return not self._released and self._lost is None
+        return not self._released and self._lost is None and not self._inherited()
 
     def _lose(self, reason: str) -> None:
         with self._lock:
@@ -257,7 +261,7 @@ class Semaphore(_base.BaseLock):
         self._ttl = validate_ttl(ttl, hint="permits are renewed while held")
         self._schema = validate_schema(schema)
         self._metadata = encode_metadata(metadata)
-        self._owner = f"{socket.gethostname()}:{os.getpid()}"
+        self._pid = os.getpid()
         self._lock = threading.Lock()  # the fields below and those of its permits
         self._held: dict[str, Permit] = {}
         self._by_thread: dict[threading.Thread, list[Permit]] = {}
@@ -310,8 +314,8 @@ class Semaphore(_base.BaseLock):
         return f"<pglock.Semaphore {self._name!r} limit={self._limit} held_here={mine}>"
 
     def _src(self) -> Source:
-        if self._source is None:
-            self._source = make_source(self._get_source(), "semaphore")
+        if self._source is None or self._pid != os.getpid():  # a Locker's: the child's own pool
+            self._source, self._pid = make_source(self._get_source(), "semaphore"), os.getpid()
         return self._source
 
     def _wait_key(self, source: Source) -> tuple[Any, ...]:
@@ -364,7 +368,8 @@ class Semaphore(_base.BaseLock):
 
     def _outstanding(self) -> bool:
         with self._lock:
-            return bool(self._by_thread.get(threading.current_thread()))
+            stack = self._by_thread.get(threading.current_thread(), [])
+            return bool(stack) and not stack[-1]._inherited()
 
     def _not_acquired(self) -> LockNotAcquired:
         return _not_acquired(self._name, 1, self._timeout)
@@ -411,7 +416,7 @@ class Semaphore(_base.BaseLock):
                 f"with limit {self._limit}"
             )
         source = self._src()
-        req = _Request(f"{self._owner}:{uuid.uuid4().hex}")
+        req = _Request(f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex}")
         try:
             permit = self._attempts(source, req, permits, timeout)
         except BaseException:
@@ -593,6 +598,8 @@ class Semaphore(_base.BaseLock):
         self._wake(head=True)
 
     def _release_permit(self, permit: Permit) -> None:
+        if permit._inherited():
+            raise _base.forked(f"a permit of semaphore {self._name!r}")
         if permit._released:
             raise RuntimeError(f"this permit of semaphore {self._name!r} was already released")
         with self._lock:

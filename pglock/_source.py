@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
@@ -319,6 +320,7 @@ class DsnSource(Source):
         self.conninfo = make_conninfo(dsn, **extra) if extra else dsn
         self._idle: list[psycopg.Connection[Any]] = []
         self._lock = threading.Lock()
+        _every.add(self)
 
     def _connect(self) -> psycopg.Connection[Any]:
         # pglock's own connection: names, holder ids and metadata cross it in UTF-8.
@@ -362,6 +364,7 @@ class DsnSource(Source):
 
 #: One source per DSN string, shared by the leases and semaphores of the process.
 _dsn_sources: dict[str, DsnSource] = {}
+_every: weakref.WeakSet[DsnSource] = weakref.WeakSet()  # forgotten ones too (handles keep them)
 _dsn_lock = threading.Lock()
 
 
@@ -376,17 +379,6 @@ def close_dsn_sources() -> None:
 
 
 atexit.register(close_dsn_sources)
-
-
-def _after_fork_in_child() -> None:
-    # Connections and locks do not survive a fork: the child opens its own.
-    global _dsn_lock
-    _dsn_lock = threading.Lock()
-    _dsn_sources.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def make_source(source: object, user: str) -> Source:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -177,6 +178,7 @@ def raise_translated(exc: psycopg.Error, conn: psycopg.Connection[Any], schema: 
 
 def register(item: Held) -> None:
     """Renew ``item`` from now on, and report its loss at its deadline."""
+    item._pid = os.getpid()
     _keepalive.scheduler.register(item)
     if item._qkey is not None:
         _waiting.waiters.hold(item._qkey, item)

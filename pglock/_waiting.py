@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import threading
 import time
@@ -514,15 +513,5 @@ def stop_listeners() -> None:
             lst.stopped = True
 
 
-#: The process's queues and listeners (a new set after a fork: threads and connections do not
-#: survive it).
+#: The process's queues and listeners (a new set in a forked child: pglock._fork).
 waiters = _Waiters()
-
-
-def _after_fork_in_child() -> None:
-    global waiters
-    waiters = _Waiters()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
