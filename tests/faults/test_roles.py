@@ -14,6 +14,17 @@
   holder id is not visible to the role). Control: every public function succeeds for some
   generated call; the internal helpers (``pglock internal`` in their comment) and the trigger
   function for none.
+* **No grant at all, forged notifications.** A role with no privilege in the database sends
+  ``pg_notify`` on every channel pglock listens to (read from the listeners' sessions, and
+  checked against the channels of the schemas in use), with forged grants naming the real
+  holder id and waiter id of each queued lease waiter (read from ``lease_waiter``), forged
+  release names and junk, while lease waiters wait in three schemas whose channels coincide
+  (names sharing their first 57 bytes: ``_contract._channel``), two of them with the waiter
+  queue and the same holder ids, one without it (waiting the 0001 way), and semaphore waiters
+  wait in each. No waiter returns from acquire during the forgery; afterwards the holders
+  release one schema at a time and every waiter gets its lease or permit, each at a moment when
+  the lease row names its holder and token (the permit row exists, within the limit), checked
+  by an independent connection before it releases.
 
 Everything runs in a throwaway database of its own; the roles are dropped afterwards.
 """
@@ -26,6 +37,7 @@ import json
 import math
 import random
 import re
+import threading
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
@@ -39,9 +51,10 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 import pglock
-from pglock import _lease, _schema
+from pglock import _lease, _schema, _waiting
+from pglock._contract import lease_channel, semaphore_channel
 
-from .oracles import BIGINT_MAX
+from .oracles import BIGINT_MAX, wait_for
 from .test_privileges import DOCS
 
 pytestmark = pytest.mark.timeout(300)
@@ -336,3 +349,201 @@ def test_documented_grants_call_every_function_with_hostile_arguments(
             assert "ok" not in got, (fn.name, got)
         else:  # control: the harness reached the function's body with valid arguments
             assert got["ok"] > 0, (fn.name, got)
+
+
+# --- no grant at all, forged notifications -----------------------------------------------------
+
+
+def listened_channels(admin: psycopg.Connection[Any], app_name: str) -> Counter[str]:
+    """The channels the LISTEN sessions of this test's application name listen on, with how
+    many sessions listen on each."""
+    rows = admin.execute(
+        "SELECT query FROM pg_stat_activity WHERE application_name = %s"
+        " AND query ILIKE 'LISTEN %%' AND state = 'idle'", (app_name,)
+    ).fetchall()
+    return Counter(json.loads(q.split(" ", 1)[1]) for (q,) in rows)  # LISTEN "<channel>"
+
+
+def lease_truth(c: psycopg.Connection[Any], schema: str, name: str) -> Any:
+    return c.execute(
+        sql.SQL("SELECT holder, token, expires_at > clock_timestamp() FROM {}.lease"
+                " WHERE name = %s").format(sql.Identifier(schema)), (name,)
+    ).fetchone()
+
+
+def permit_truth(c: psycopg.Connection[Any], schema: str, name: str) -> list[tuple[str, int]]:
+    return c.execute(
+        sql.SQL("SELECT holder, permits FROM {}.semaphore_permit WHERE semaphore = %s"
+                " AND expires_at > clock_timestamp() ORDER BY 1").format(sql.Identifier(schema)),
+        (name,),
+    ).fetchall()
+
+
+class Believers:
+    """Waiters that, on returning with a grant, ask an independent connection what the
+    database says at that moment, then release."""
+
+    def __init__(self, db: str, lname: str, sname: str) -> None:
+        self.db, self.lname, self.sname = db, lname, sname
+        self.results: list[tuple[str, str, Any, Any]] = []  # (schema, who, believed, truth)
+        self.errors: list[str] = []
+
+    def lease(self, pool: ConnectionPool[Any], schema: str, holder: str) -> None:
+        try:
+            lease = pglock.lease(pool, self.lname, ttl=30, holder=holder, schema=schema)
+            if not lease.acquire(timeout=90):
+                self.errors.append(f"lease {schema} {holder}: not acquired")
+                return
+            with psycopg.connect(self.db, autocommit=True) as c:
+                truth = lease_truth(c, schema, self.lname)
+            self.results.append((schema, holder, (lease.holder, lease.token, True), truth))
+            lease.release()
+        except Exception as exc:
+            self.errors.append(f"lease {schema} {holder}: {exc!r}")
+
+    def permit(self, pool: ConnectionPool[Any], schema: str) -> None:
+        try:
+            sem = pglock.semaphore(pool, self.sname, limit=1, ttl=30, schema=schema)
+            with sem.hold(timeout=90) as permit, psycopg.connect(self.db, autocommit=True) as c:
+                truth = permit_truth(c, schema, self.sname)
+                self.results.append((schema, "permit", [(permit.holder, 1)], truth))
+        except Exception as exc:
+            self.errors.append(f"semaphore {schema}: {exc!r}")
+
+
+def test_forged_notifications_grant_nothing(
+    db: str, roles: Roles, admin: psycopg.Connection[Any], app_name: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert {lease_channel(s) for s in (*QUEUED, PLAIN)} == {lease_channel(PLAIN)}
+    assert {semaphore_channel(s) for s in (*QUEUED, PLAIN)} == {semaphore_channel(PLAIN)}
+    tag = uuid.uuid4().hex[:8]
+    lname, sname = f"forged:{tag}", f"forged-sem:{tag}"
+    ids = [f"w{i}-{tag}" for i in (1, 2)]  # the same holder ids in every schema
+    seen: list[tuple[str, str, str]] = []  # (channel, schema, payload) each listener dispatched
+    dispatch = _waiting.waiters.on_notify
+
+    def recording(lst: Any, payload: str) -> None:
+        seen.append((lst.channel, lst.key[1], payload))
+        dispatch(lst, payload)
+
+    monkeypatch.setattr(_waiting.waiters, "on_notify", recording)
+    waiters = Believers(db, lname, sname)
+    app_dsn = role_dsn(db, roles.app, app_name)
+    threads: list[threading.Thread] = []
+    with ConnectionPool(app_dsn, min_size=2, max_size=12, kwargs={"autocommit": True}) as pool, \
+            contextlib.ExitStack() as stack:
+        stack.callback(_lease.shutdown)
+        holders = {s: pglock.lease(pool, lname, ttl=30, schema=s) for s in SCHEMAS}
+        permits = {}
+        for s in SCHEMAS:
+            assert holders[s].acquire(timeout=0)
+            sem = pglock.semaphore(pool, sname, limit=1, ttl=30, schema=s)
+            permits[s] = stack.enter_context(sem.hold(timeout=0))
+        try:
+            for holder in ids:  # one at a time: the waiter ids coincide between schemas
+                for s in SCHEMAS:
+                    threads.append(threading.Thread(target=waiters.lease, args=(pool, s, holder)))
+                    threads.append(threading.Thread(target=waiters.permit, args=(pool, s)))
+                    threads[-2].start()
+                    threads[-1].start()
+                wait_for(lambda h=holder: all(waiting(admin, s, lname, sname, h) for s in SCHEMAS),
+                         timeout=30, what=f"{holder} to wait")
+            # A listener per schema and kind: the colliding schemas' share a channel.
+            expected = Counter(f(s) for s in SCHEMAS for f in (lease_channel, semaphore_channel))
+            wait_for(lambda: listened_channels(admin, app_name) == expected, timeout=30,
+                     what=f"listeners on {expected}")
+            forge(db, roles, admin, app_name, holders, lname, sname, ids, seen)
+            assert waiters.results == [], "a waiter believed a forged notification"
+            assert waiters.errors == []
+            # Release one schema at a time, its waiters served before the next: a handoff's
+            # NOTIFY reaches the waiters of the schemas whose channel it shares, with their
+            # holder ids and waiter ids, while their leases are still held.
+            for s in SCHEMAS:
+                holders[s].release()
+                permits[s].release()
+                wait_for(lambda s=s: [r[0] for r in waiters.results].count(s) == 4
+                         or waiters.errors, timeout=60, what=f"the waiters of {s}")
+        finally:
+            for s in SCHEMAS:
+                release_quietly(holders[s])
+                with contextlib.suppress(Exception):
+                    permits[s].release()
+            for t in threads:
+                t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert waiters.errors == []
+    for schema, who, believed, truth in waiters.results:
+        assert truth == believed, (schema, who, "believed", believed, "the database", truth)
+    assert sorted((r[0], r[1]) for r in waiters.results) == sorted(
+        (s, who) for s in SCHEMAS for who in (*ids, "permit", "permit")
+    )
+
+
+def waiting(
+    admin: psycopg.Connection[Any], schema: str, lname: str, sname: str, holder: str
+) -> bool:
+    """The lease waiter ``holder`` and a semaphore waiter of ``schema`` wait in the database."""
+    s = sql.Identifier(schema)
+    if schema == PLAIN:  # one waiter per name and process, marked on the lease row
+        query = sql.SQL("SELECT waiters FROM {}.lease WHERE name = %s").format(s)
+        lease = admin.execute(query, (lname,)).fetchone() == (True,)
+    else:
+        query = sql.SQL("SELECT 1 FROM {}.lease_waiter WHERE name = %s AND holder = %s")
+        lease = admin.execute(query.format(s), (lname, holder)).fetchone() is not None
+    query = sql.SQL("SELECT waiters FROM {}.semaphore WHERE name = %s").format(s)
+    return lease and admin.execute(query, (sname,)).fetchone() == (True,)
+
+
+def forge(
+    db: str, roles: Roles, admin: psycopg.Connection[Any], app_name: str,
+    holders: dict[str, pglock.Lease], lname: str, sname: str, ids: list[str],
+    seen: list[tuple[str, str, str]],
+) -> None:
+    """Three rounds of forged notifications on every channel pglock listens to, as a role with
+    no grant; each round ends when every listener has dispatched its last one."""
+    queued = [
+        (s, *row)
+        for s in (*QUEUED, "pglock")
+        for row in admin.execute(
+            sql.SQL("SELECT name, holder, id FROM {}.lease_waiter WHERE name = %s").format(
+                sql.Identifier(s)), (lname,)
+        )
+    ]
+    assert len(queued) == 6, queued
+    now = admin.execute("SELECT extract(epoch FROM clock_timestamp())").fetchone()
+    assert now is not None
+    now_us = int(float(now[0]) * 1e6)
+    payloads = [lname, sname, "", "not json", '["grant"]', json.dumps(["grant", lname, ids[0]])]
+    for schema, name, holder, waiter in queued:
+        # Tokens the database never grants this waiter: its holder's, and ones out of reach;
+        # expired grants first, so that a client believing the latest has one to believe.
+        for expires, token in itertools.product(
+            (-1, 600), (holders[schema].token, 2**62 - 1, 0, -1)
+        ):
+            payloads.append(json.dumps(
+                ["grant", name, holder, token, waiter, now_us, now_us + expires * 1_000_000]
+            ))
+    channels = listened_channels(admin, app_name)
+    listeners = {(lease_channel(s), s) for s in SCHEMAS} | {(semaphore_channel(s), s)
+                                                           for s in SCHEMAS}
+    with psycopg.connect(role_dsn(db, roles.forger, f"{app_name}-forger"),
+                         autocommit=True) as forger:
+        privileges = forger.execute(
+            "SELECT bool_or(has_schema_privilege(n.nspname, 'USAGE')) FROM pg_namespace n"
+            " WHERE n.nspname = ANY(%s)", (list(SCHEMAS),)
+        ).fetchone()
+        assert privileges == (False,)
+        for round_ in range(3):
+            last = f"forged round {round_} done"
+            for channel in sorted(channels):  # every channel pglock listens to
+                # One transaction per channel and round: its notifications arrive in order.
+                forger.execute(
+                    "SELECT pg_notify(%s, p) FROM unnest(%s::text[]) AS p",
+                    (channel, [*payloads, last]),
+                )
+            wait_for(lambda last=last: {(c, s) for c, s, p in seen if p == last} == listeners,
+                     timeout=30, what="every listener to dispatch the forged round")
+    wait_for(lambda: not any(slot.poked for slots in _waiting.waiters.slots.values()
+                             for slot in slots.values()),
+             timeout=10, what="every poked waiter to look")
