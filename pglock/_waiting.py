@@ -309,17 +309,19 @@ class _Waiters:
             return q.version != seen
 
     def on_notify(self, lst: _Listener, payload: str) -> None:
-        # A handoff's NOTIFY wakes only the waiter it names, to ask the database (wait_v4).
-        if (grant := parse_grant(payload)) is not None:
-            with self.lock:
-                for lkey in lst.keys:
-                    self._poke(lkey, *grant)
-            return
+        # A handoff's NOTIFY wakes only the waiter it names, to ask the database (wait_v4);
+        # not while a lease of this process holds the name: its release hands over from its
+        # own answer (else the next heartbeat finds the grant).
+        grant = parse_grant(payload)
         with self.lock:
             for lkey in lst.keys:
-                for q in self.queues.get((*lkey, payload), {}).values():
-                    q.wake_head()
-                self._poke(lkey, payload)
+                queues = self.queues.get((*lkey, payload if grant is None else grant[0]), {})
+                if grant is None:
+                    for q in queues.values():
+                        q.wake_head()
+                    self._poke(lkey, payload)
+                elif (shared := queues.get(None)) is None or shared.holder is None:
+                    self._poke(lkey, *grant)
 
     def wake_all(self, lkeys: tuple[Key, ...]) -> None:
         with self.lock:
