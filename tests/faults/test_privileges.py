@@ -210,8 +210,8 @@ def test_T28_least_privilege_role_runs_every_lease_operation(
         assert [i.name for i in pglock.list_leases(pool, prefix=name)] == [name]
         c.rollback()
 
-    # A queued waiter is handed the lease by the release, whose NOTIFY (sent from inside the
-    # function, as the role) carries the grant to it.
+    # A queued waiter is handed the lease by the release (its answer, in this process), whose
+    # NOTIFY, sent from inside the function as the role, names the grant.
     watch = listening("pglock_lease", app_dsn)  # the role itself hears the NOTIFY
     try:
         b = pglock.lease(pool, name, ttl=5)
