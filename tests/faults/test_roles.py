@@ -42,6 +42,7 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -401,6 +402,10 @@ class Believers:
         except Exception as exc:
             self.errors.append(f"lease {schema} {holder}: {exc!r}")
 
+    def served(self, schema: str, n: int) -> bool:
+        """``n`` waiters of ``schema`` were served, or one failed."""
+        return [r[0] for r in self.results].count(schema) == n or bool(self.errors)
+
     def permit(self, pool: ConnectionPool[Any], schema: str) -> None:
         try:
             sem = pglock.semaphore(pool, self.sname, limit=1, ttl=30, schema=schema)
@@ -447,8 +452,8 @@ def test_forged_notifications_grant_nothing(
                     threads.append(threading.Thread(target=waiters.permit, args=(pool, s)))
                     threads[-2].start()
                     threads[-1].start()
-                wait_for(lambda h=holder: all(waiting(admin, s, lname, sname, h) for s in SCHEMAS),
-                         timeout=30, what=f"{holder} to wait")
+                wait_for(partial(all_waiting, admin, lname, sname, holder), timeout=30,
+                         what=f"{holder} to wait")
             # A listener per schema and kind: the colliding schemas' share a channel.
             expected = Counter(f(s) for s in SCHEMAS for f in (lease_channel, semaphore_channel))
             wait_for(lambda: listened_channels(admin, app_name) == expected, timeout=30,
@@ -462,8 +467,7 @@ def test_forged_notifications_grant_nothing(
             for s in SCHEMAS:
                 holders[s].release()
                 permits[s].release()
-                wait_for(lambda s=s: [r[0] for r in waiters.results].count(s) == 4
-                         or waiters.errors, timeout=60, what=f"the waiters of {s}")
+                wait_for(partial(waiters.served, s, 4), timeout=60, what=f"the waiters of {s}")
         finally:
             for s in SCHEMAS:
                 release_quietly(holders[s])
@@ -486,13 +490,22 @@ def waiting(
     """The lease waiter ``holder`` and a semaphore waiter of ``schema`` wait in the database."""
     s = sql.Identifier(schema)
     if schema == PLAIN:  # one waiter per name and process, marked on the lease row
-        query = sql.SQL("SELECT waiters FROM {}.lease WHERE name = %s").format(s)
-        lease = admin.execute(query, (lname,)).fetchone() == (True,)
+        marked = sql.SQL("SELECT waiters FROM {}.lease WHERE name = %s").format(s)
+        lease = admin.execute(marked, (lname,)).fetchone() == (True,)
     else:
-        query = sql.SQL("SELECT 1 FROM {}.lease_waiter WHERE name = %s AND holder = %s")
-        lease = admin.execute(query.format(s), (lname, holder)).fetchone() is not None
-    query = sql.SQL("SELECT waiters FROM {}.semaphore WHERE name = %s").format(s)
-    return lease and admin.execute(query, (sname,)).fetchone() == (True,)
+        row = sql.SQL("SELECT 1 FROM {}.lease_waiter WHERE name = %s AND holder = %s").format(s)
+        lease = admin.execute(row, (lname, holder)).fetchone() is not None
+    sem = sql.SQL("SELECT waiters FROM {}.semaphore WHERE name = %s").format(s)
+    return lease and admin.execute(sem, (sname,)).fetchone() == (True,)
+
+
+def all_waiting(admin: psycopg.Connection[Any], lname: str, sname: str, holder: str) -> bool:
+    return all(waiting(admin, s, lname, sname, holder) for s in SCHEMAS)
+
+
+def dispatched(seen: list[tuple[str, str, str]], payload: str, listeners: set[Any]) -> bool:
+    """Every listener of ``listeners`` ((channel, schema)) dispatched ``payload``."""
+    return {(c, s) for c, s, p in seen if p == payload} == listeners
 
 
 def forge(
@@ -542,8 +555,8 @@ def forge(
                     "SELECT pg_notify(%s, p) FROM unnest(%s::text[]) AS p",
                     (channel, [*payloads, last]),
                 )
-            wait_for(lambda last=last: {(c, s) for c, s, p in seen if p == last} == listeners,
-                     timeout=30, what="every listener to dispatch the forged round")
+            wait_for(partial(dispatched, seen, last, listeners), timeout=30,
+                     what="every listener to dispatch the forged round")
     wait_for(lambda: not any(slot.poked for slots in _waiting.waiters.slots.values()
                              for slot in slots.values()),
              timeout=10, what="every poked waiter to look")

@@ -108,7 +108,8 @@ class Line:
         for t in self.threads:
             t.join(60)
         assert [h for h, _ in self.got] == [w.holder for w in self.waiters]
-        tokens = [self.holder.token, *(t for _, t in self.got)]
+        tokens = [t for t in (self.holder.token, *(t for _, t in self.got)) if t is not None]
+        assert len(tokens) == len(self.got) + 1, tokens
         assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens), tokens
 
 
