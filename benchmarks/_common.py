@@ -117,6 +117,8 @@ class Context:
     redis_skip: str | None = None  # why the Redis peers are skipped, if they are
     notes: list[str] = field(default_factory=list)
     pin_cpu: int | None = None  # --pin-cpu: A's and G's client and backends on this CPU
+    #: --waiter-pglock: C and F also run their waiter processes on the pglock package here
+    waiter_pglock: str | None = None
 
     def connect(
         self, *, autocommit: bool = True, dsn: str | None = None

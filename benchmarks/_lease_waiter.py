@@ -13,7 +13,7 @@ Linux and so comparable between processes of one machine.
         and prints "started ID"; for "quiet" prints "quiet" once the process has sent nothing
         for 0.3 s; at EOF, when every waiter is done, one JSON line: per waiter its ID, the
         token it was granted and the time it got the lease, plus the times of every round
-        trip the process sent.
+        trip the process sent and the pglock package it imported.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def line(args: argparse.Namespace) -> None:
             stamps = counter.stamps()
     finally:
         pool.close()
-    print(json.dumps({"got": got, "stamps": stamps, "errors": errors}), flush=True)
+    report = {"got": got, "stamps": stamps, "errors": errors, "pglock": pglock.__file__}
+    print(json.dumps(report), flush=True)
 
 
 def main() -> None:

@@ -117,14 +117,23 @@ class Lease(Adapter):
         return _LeaseClient(ctx, **self.options)
 
     def extra_handoffs(self, ctx: Context, rounds: int) -> dict[str, dict[str, Any]]:
-        """The handoff to a waiter in another process (the same-process one is local)."""
-        key = f"{self.key}-xproc"
-        try:
-            r = handoff_cross_process(ctx, rounds, durable=self.options.get("durable", True))
-        except Exception as exc:
-            r = {"errors": [repr(exc)]}
-        r.update(label=f"{self.label}, waiter in another process", group=self.group, polls=False)
-        return {key: r}
+        """The handoff to a waiter in another process (the same-process one is local); with
+        ``--waiter-pglock``, then to one on that pglock too."""
+        out: dict[str, dict[str, Any]] = {}
+        for key, where in [("", None), ("-waiter-pglock", ctx.waiter_pglock)]:
+            if key and where is None:
+                continue
+            try:
+                r = handoff_cross_process(
+                    ctx, rounds, durable=self.options.get("durable", True), pglock_dir=where
+                )
+            except Exception as exc:
+                r = {"errors": [repr(exc)]}
+            on = f" on pglock at {where}" if where else ""
+            label = f"{self.label}, waiter in another process{on}"
+            out[f"{self.key}-xproc{key}"] = {**r, "label": label, "group": self.group,
+                                             "polls": False}
+        return out
 
 
 def _accepts_durable() -> bool:
@@ -384,7 +393,14 @@ def workload_e(ctx: Context) -> dict[str, Any]:
 def workload_f(ctx: Context) -> dict[str, Any]:
     """F in one process (waiters queue locally) and spread over processes."""
     out: dict[str, Any] = {}
-    for part, fn in (("one_process", crowd_one_process), ("processes", crowd_cross_process)):
+    parts: list[tuple[str, Callable[[Context], dict[str, Any]]]] = [
+        ("one_process", crowd_one_process), ("processes", crowd_cross_process)
+    ]
+    if ctx.waiter_pglock is not None:
+        out["waiter_pglock"] = ctx.waiter_pglock
+        parts.append(("processes_waiter_pglock",
+                      partial(crowd_cross_process, pglock_dir=ctx.waiter_pglock)))
+    for part, fn in parts:
         try:
             out[part] = fn(ctx)
         except Exception as exc:
@@ -458,16 +474,26 @@ def crowd_one_process(ctx: Context) -> dict[str, Any]:
 # --- waiters in other processes (C and F) ---------------------------------------------------------
 
 
-class _Child:
-    """A ``benchmarks._lease_waiter`` process, with line reads that time out."""
+#: A waiter process on the pglock package of another directory (--waiter-pglock): that
+#: directory goes first on sys.path, before the repository root (the working directory).
+_ON_PGLOCK = (
+    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "runpy.run_module('benchmarks._lease_waiter', run_name='__main__', alter_sys=True)"
+)
 
-    def __init__(self, ctx: Context, *args: str) -> None:
+
+class _Child:
+    """A ``benchmarks._lease_waiter`` process, with line reads that time out; on the pglock
+    package in ``pglock_dir`` when given."""
+
+    def __init__(self, ctx: Context, *args: str, pglock_dir: str | None = None) -> None:
         self._err = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
+        start = ["-m", "benchmarks._lease_waiter"] if pglock_dir is None else [
+            "-c", _ON_PGLOCK, pglock_dir]
         self.proc = subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "benchmarks._lease_waiter",
+                *start,
                 *args,
                 *("--dsn", ctx.scratch_dsn, "--app", ctx.app_name),
             ],
@@ -521,12 +547,16 @@ class _Child:
         self._err.close()
 
 
-def handoff_cross_process(ctx: Context, rounds: int, *, durable: bool) -> dict[str, Any]:
-    """C for leases with the waiter in another process: this process holds and releases; the
-    child, blocked in pglock.lease, reports the perf_counter time it got the lease."""
+def handoff_cross_process(
+    ctx: Context, rounds: int, *, durable: bool, pglock_dir: str | None = None
+) -> dict[str, Any]:
+    """C for leases with the waiter in another process (on the pglock in ``pglock_dir``, if
+    given): this process holds and releases; the child, blocked in pglock.lease, reports the
+    perf_counter time it got the lease."""
     name = ctx.lock_name("C", "lease-xproc")
     pool = make_pool(ctx)
-    child = _Child(ctx, "handoff", "--name", name, *([] if durable else ["--nondurable"]))
+    child = _Child(ctx, "handoff", "--name", name, *([] if durable else ["--nondurable"]),
+                   pglock_dir=pglock_dir)
     ms: list[float] = []
     try:
         for r in range(rounds + 1):  # the first round warms the child up and is not counted
@@ -625,11 +655,12 @@ def _grant_order(reports: list[dict[str, Any]], total: int, confirmed: bool) -> 
     }
 
 
-def crowd_cross_process(ctx: Context) -> dict[str, Any]:
-    """F with the waiters spread over ``waiter_procs`` processes: only the database tells them
-    of a release. The waiters start one at a time (round-robin over the processes), each
-    confirmed waiting in pglock's queue table when there is one; statements = round trips every
-    process sent from the release on; grant order = the waiters sorted by fencing token."""
+def crowd_cross_process(ctx: Context, pglock_dir: str | None = None) -> dict[str, Any]:
+    """F with the waiters spread over ``waiter_procs`` processes (on the pglock in
+    ``pglock_dir``, if given): only the database tells them of a release. The waiters start
+    one at a time (round-robin over the processes), each confirmed waiting in pglock's queue
+    table when there is one; statements = round trips every process sent from the release on;
+    grant order = the waiters sorted by fencing token."""
     s = ctx.settings
     procs = max(1, s.waiter_procs)
     total = procs * max(1, s.waiters // procs)
@@ -640,7 +671,9 @@ def crowd_cross_process(ctx: Context) -> dict[str, Any]:
         holder = _pglock.lease(pool, name, ttl=30)
         holder.__enter__()
         try:
-            children = [_Child(ctx, "line", "--name", name) for _ in range(procs)]
+            children = [
+                _Child(ctx, "line", "--name", name, pglock_dir=pglock_dir) for _ in range(procs)
+            ]
             for c in children:
                 if c.readline(90) != "ready":
                     raise RuntimeError("unexpected answer from a lease waiter")
@@ -670,6 +703,7 @@ def crowd_cross_process(ctx: Context) -> dict[str, Any]:
         "statements_per_handoff": rnd(statements / handoffs, 2) if handoffs else None,
         "seconds": rnd(elapsed, 3),
         "arrival_check": f"{LEASE_SCHEMA}.{QUEUE_TABLE}" if queued else None,
+        "waiters_pglock": sorted({str(r.get("pglock")) for r in reports}),
         **_grant_order(reports, total, queued is not None),
         **({"errors": errors} if errors else {}),
     }

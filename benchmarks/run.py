@@ -94,7 +94,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "one CPU (Linux, server on this machine, root or the server's user): removes the "
         "cross-CPU wakeups that make one session 3x slower than another on a small VM",
     )
+    p.add_argument(
+        "--waiter-pglock",
+        default=None,
+        metavar="DIR",
+        help="C and F also measure the cross-process lease handoff with the waiter processes "
+        "importing the pglock package in DIR (DIR/pglock/, e.g. an earlier commit's), beside "
+        "this one's: its cost side by side in one run",
+    )
     args = p.parse_args(argv)
+    if args.waiter_pglock is not None:
+        args.waiter_pglock = str(Path(args.waiter_pglock).resolve())
+        if not (Path(args.waiter_pglock) / "pglock" / "__init__.py").is_file():
+            p.error(f"--waiter-pglock {args.waiter_pglock}: no pglock package in it")
     wl = {ch for ch in args.workloads.upper() if ch not in ", "}
     bad = wl - set(WORKLOADS)
     if bad:
@@ -476,6 +488,7 @@ def _md_f(w: dict[str, Any]) -> list[str]:
     f = w.get("F") or {}
     if not ("one_process" in f or "processes" in f):
         return []
+    other = f"processes on pglock at {f['waiter_pglock']}" if "waiter_pglock" in f else None
     lines = [
         "**F. Waiters on one lease** (statements = round trips sent from the first release"
         " to the last grant)",
@@ -483,12 +496,13 @@ def _md_f(w: dict[str, Any]) -> list[str]:
         "| waiters | handoffs | statements | per handoff | seconds |",
         "|---|---:|---:|---:|---:|",
     ]
-    for part, where in (("one_process", "in one process"), ("processes", "processes")):
+    parts = [("one_process", "in one process"), ("processes", "processes")]
+    for part, where in parts + ([("processes_waiter_pglock", other)] if other else []):
         r = f.get(part) or {}
         who = (
-            f"{r.get('waiters')} in {r.get('processes')} processes"
-            if part == "processes"
-            else f"{r.get('waiters')} {where}"
+            f"{r.get('waiters')} {where}"
+            if part == "one_process"
+            else f"{r.get('waiters')} in {r.get('processes')} {where}"
         )
         err = f" (errors: {r['errors']})" if r.get("errors") else ""
         lines.append(
@@ -641,6 +655,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings=settings,
             notes=notes,
             pin_cpu=args.pin_cpu,
+            waiter_pglock=args.waiter_pglock,
         )
         print(f"scratch database {db} (dropped at the end)", flush=True)
         lease_gap = _leases.missing()

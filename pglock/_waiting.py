@@ -11,7 +11,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
 from typing import Any, NamedTuple
 
 import psycopg
@@ -63,26 +63,23 @@ class Handed(NamedTuple):
     expires_at: datetime
 
 
-_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-
-
-def parse_grant(payload: str) -> tuple[str, str, Handed] | None:
-    """(name, holder, grant) of a handoff NOTIFY (a JSON array that starts with ``"grant"``;
-    revision 0004), or None for a plain name (a release: look again)."""
+def parse_grant(payload: str) -> tuple[str, str] | None:
+    """(name, holder) of a handoff NOTIFY (a JSON array that starts with ``"grant"``; revision
+    0004), or None for a plain name (a release: look again). Any role may send either, on any
+    channel, and two schemas' channels can coincide (:func:`._contract._channel`): a NOTIFY is
+    only a hint to look, never a grant."""
     if not payload.startswith('["grant"'):
         return None
     try:
-        _, name, holder, token, waiter, acquired_us, expires_us = json.loads(payload)
-        acquired = _EPOCH + timedelta(microseconds=acquired_us)
-        expires = _EPOCH + timedelta(microseconds=expires_us)
-    except (ValueError, TypeError, OverflowError):
+        _, name, holder, *_ = json.loads(payload)
+    except (ValueError, TypeError):
         return None
-    return name, holder, Handed(token, waiter, acquired, expires)
+    return (name, holder) if isinstance(name, str) and isinstance(holder, str) else None
 
 
 class Slot:
     """A lease waiter of this process queued in the database: the grants handed to it (by
-    waiter id, from a NOTIFY or a local release) and a poke (heartbeat now)."""
+    waiter id, from a local release's answer) and a poke (heartbeat now: a NOTIFY's hint)."""
 
     __slots__ = ("cond", "grants", "hkey", "lined", "poked", "waiter")
 
@@ -235,8 +232,8 @@ class _Waiters:
                         del self.queues[key]
 
     def hand(self, database: object, schema: str, name: str, holder: str, grant: Handed) -> None:
-        """A grant handed to ``holder`` (by a NOTIFY, or a local release before its NOTIFY
-        arrives): its waiter takes it, if in this process (on any source of ``database``)."""
+        """A grant handed to ``holder`` by a release whose answer this process read: its waiter
+        takes it, if in this process (on any source of ``database``)."""
         with self.lock:
             if (slot := self.handed.get((database, schema, name, holder))) is not None:
                 slot.grants[grant.waiter] = grant
@@ -256,13 +253,15 @@ class _Waiters:
             slot.poked = False
             return slot.grants.pop(waiter, None)
 
-    def _poke(self, lkey: Key, name: str | None) -> None:
-        """With the lock held: the queued waiters of ``name`` (None: every name) heartbeat now."""
+    def _poke(self, lkey: Key, name: str | None, holder: str | None = None) -> None:
+        """With the lock held: the queued waiters of ``name`` (None: every name), or only that
+        of ``holder``, heartbeat now."""
         for key, slots in self.slots.items():
             if key[:3] == lkey and (name is None or key[3] == name):
-                for slot in slots.values():
-                    slot.poked = True
-                    slot.cond.notify()
+                for who, slot in slots.items():
+                    if holder is None or who == holder:
+                        slot.poked = True
+                        slot.cond.notify()
 
     def enqueue(self, key: Key, owner: object) -> tuple[_Queue, Ticket]:
         with self.lock:
@@ -309,14 +308,19 @@ class _Waiters:
             return q.version != seen
 
     def on_notify(self, lst: _Listener, payload: str) -> None:
-        if (grant := parse_grant(payload)) is not None:
-            self.hand(lst.source.database, lst.key[1], *grant)
-            return
+        # A handoff's NOTIFY wakes only the waiter it names, to ask the database (wait_v4);
+        # not while a lease of this process holds the name: its release hands over from its
+        # own answer (else the next heartbeat finds the grant).
+        grant = parse_grant(payload)
         with self.lock:
             for lkey in lst.keys:
-                for q in self.queues.get((*lkey, payload), {}).values():
-                    q.wake_head()
-                self._poke(lkey, payload)
+                queues = self.queues.get((*lkey, payload if grant is None else grant[0]), {})
+                if grant is None:
+                    for q in queues.values():
+                        q.wake_head()
+                    self._poke(lkey, payload)
+                elif (shared := queues.get(None)) is None or shared.holder is None:
+                    self._poke(lkey, *grant)
 
     def wake_all(self, lkeys: tuple[Key, ...]) -> None:
         with self.lock:

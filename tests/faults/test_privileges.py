@@ -210,8 +210,8 @@ def test_T28_least_privilege_role_runs_every_lease_operation(
         assert [i.name for i in pglock.list_leases(pool, prefix=name)] == [name]
         c.rollback()
 
-    # A queued waiter is handed the lease by the release, whose NOTIFY (sent from inside the
-    # function, as the role) carries the grant to it.
+    # A queued waiter is handed the lease by the release (its answer, in this process), whose
+    # NOTIFY, sent from inside the function as the role, names the grant.
     watch = listening("pglock_lease", app_dsn)  # the role itself hears the NOTIFY
     try:
         b = pglock.lease(pool, name, ttl=5)
@@ -363,14 +363,18 @@ def test_T28_functions_are_security_definer_with_a_pinned_search_path(
 ) -> None:
     rows = admin.execute(
         "SELECT p.proname, p.prosecdef, p.proconfig,"
-        " has_function_privilege('public', p.oid, 'EXECUTE')"
+        " has_function_privilege('public', p.oid, 'EXECUTE'),"
+        " coalesce(obj_description(p.oid, 'pg_proc'), '') LIKE 'pglock internal%'"
         " FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
         " WHERE n.nspname = 'pglock' ORDER BY 1"
     ).fetchall()
     # 7 lease functions, 4 semaphore, 6 of the lease queue and the token_epoch trigger (0004)
     assert len(rows) == 18, rows
-    for proname, secdef, config, public_exec in rows:
-        assert secdef, proname
+    # The internal helpers run with their caller's rights (0005): the documented grants give
+    # EXECUTE on every function, and the app role has no privilege on the tables.
+    assert sorted(r[0] for r in rows if r[4]) == ["hand_over_v4", "take_over_v4"]
+    for proname, secdef, config, public_exec, internal in rows:
+        assert secdef is not internal, proname
         assert config == ["search_path=pg_catalog, pglock, pg_temp"], (proname, config)
         assert not public_exec, proname
 

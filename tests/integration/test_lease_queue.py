@@ -1,6 +1,6 @@
 """The lease waiter queue (revision pglock_0004): FIFO across processes, direct handoff (the
-release statement and nothing else), a dead head skipped within the liveness bound, no rows
-left behind, and a handoff committed durably."""
+release statement, and the waiter's wait_v4 that confirms it; no retry), a dead head skipped
+within the liveness bound, no rows left behind, and a handoff committed durably."""
 
 from __future__ import annotations
 

@@ -1,0 +1,30 @@
+"""Leases: revision 0004's internal helpers (``hand_over_v4``, ``take_over_v4``) run with their
+caller's rights, so a role granted EXECUTE on the schema's functions cannot call them directly.
+
+SQL: ``pglock/sql/0005_internal_helpers.up.sql`` and ``.down.sql`` (docs/reference/sql.md).
+"""
+
+from __future__ import annotations
+
+from psycopg import sql
+
+from pglock._contract import install_lock_key
+from pglock.migrations import revision_functions
+
+revision = "pglock_0005"
+down_revision = "pglock_0004"
+branch_labels = None
+depends_on = None
+
+
+def _names(schema: str) -> dict[str, sql.Composable]:
+    return {
+        "s": sql.Identifier(schema),
+        "rev": sql.Literal(revision),
+        "lock": sql.Literal(install_lock_key(schema)),
+    }
+
+
+upgrade_statements, downgrade_statements, upgrade, downgrade = revision_functions(
+    "0005_internal_helpers", _names
+)

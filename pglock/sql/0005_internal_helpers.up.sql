@@ -1,0 +1,35 @@
+-- pglock_0005 upgrade: revision 0004's internal helpers, hand_over_v4 and take_over_v4, run
+-- with the rights of their caller (SECURITY INVOKER) instead of their owner's.
+-- Placeholders are filled by pglock/migrations/versions/0005_internal_helpers.py;
+-- docs/leases.md ("Permissions") and docs/reference/sql.md say what an application role can do.
+--
+-- Why: the documented grants (GRANT EXECUTE ON ALL FUNCTIONS IN SCHEMA, and ALTER DEFAULT
+-- PRIVILEGES ... GRANT EXECUTE ON FUNCTIONS) give an application role EXECUTE on every function
+-- of the schema, these two included; the REVOKE FROM PUBLIC of 0004 does not take it back, and
+-- a revoke from the roles granted today would be undone by the next such grant. As SECURITY
+-- DEFINER, hand_over_v4 called directly handed a live lease to the queue's head without its
+-- holder id or token and without waiting for a guard()ing transaction (its UPDATE changes no
+-- key column, which FOR KEY SHARE lets through); take_over_v4 handed a free or expired lease
+-- with a provisional expiry of the caller's choosing (wait_v4 bounds it to 60 s).
+--
+-- The fix is the smallest that does not depend on who was granted EXECUTE: an invoker's
+-- function can do nothing its caller could not do with its own privileges. The public
+-- functions that call the helpers (acquire_v4, release_v4, wait_v4, leave_v4) are SECURITY
+-- DEFINER, so there the current role is the owner and nothing changes; called directly by a
+-- role without privileges on the tables (the documented grants give none), the first
+-- statement of either helper fails with insufficient_privilege (42501) and nothing changes.
+-- A role that may write the tables could change the leases itself anyway. Nothing else is
+-- touched: the functions' text, search_path and grants stay as 0004 made them, so a client
+-- of either revision, and waiters queued during the upgrade, are served as before.
+
+SELECT pg_catalog.pg_advisory_xact_lock({lock});
+
+ALTER FUNCTION {s}.hand_over_v4(text, double precision) SECURITY INVOKER;
+
+ALTER FUNCTION {s}.take_over_v4(text, double precision) SECURITY INVOKER;
+
+COMMENT ON FUNCTION {s}.hand_over_v4(text, double precision) IS 'pglock internal (SECURITY INVOKER): hand the lease, its row locked by the caller, to the first live waiter; called by release_v4 and take_over_v4';
+
+COMMENT ON FUNCTION {s}.take_over_v4(text, double precision) IS 'pglock internal (SECURITY INVOKER): hand a free or expired lease to the first live waiter; called by acquire_v4 and wait_v4';
+
+INSERT INTO {s}.schema_revision (revision) VALUES ({rev}) ON CONFLICT DO NOTHING;
