@@ -41,8 +41,10 @@ Private pglock names used (the rest is public API):
 
 * ``pglock._semaphore._Hold.__enter__``: ``with sem.hold()`` reports its grant there (the
   public ``hold()`` returns that object; its ``__enter__`` is the report);
-* ``Lease._source.database`` and ``Permit._source.database``: which database the row lives
-  in (``("database", host, port, dbname)``);
+* ``pglock._conn.fetch`` (as tests/_sent.py): every lease and semaphore statement goes
+  through it; the connection it ran on says which database the row lives in;
+* ``Lease._source.database`` and ``Permit._source.database``: the same, when no statement
+  ran in the call that reported the grant (``("database", host, port, dbname)``);
 * ``Permit._schema``: the semaphore's schema (no public property says it);
 * ``LeaderElection._session``: ``(pid, backend_start)`` of the leader's dedicated session;
 * ``pglock._conn.state_for(conn).pooler`` / ``.backend_pid``: the server pid pglock probed,
@@ -135,6 +137,8 @@ class _Frame:
         default_factory=list
     )
     checked: set[int] = dataclasses.field(default_factory=set)  # ids of objects verified inside
+    #: where pglock's statements ran inside (its lease and semaphore statements among them)
+    databases: list[Server] = dataclasses.field(default_factory=list)
 
 
 class Session:
@@ -145,6 +149,7 @@ class Session:
         self.by_api: Counter[str] = Counter()
         self.inconclusive: Counter[str] = Counter()
         self.disagreements = 0
+        self.spent = 0.0
         self.tests = 0
         self.quiet: list[str] = []  # tests under the oracle that saw no grant
 
@@ -154,6 +159,7 @@ class Session:
         self.by_api.update(oracle.by_api)
         self.inconclusive.update(oracle.inconclusive)
         self.disagreements += len(oracle.disagreements)
+        self.spent += oracle.spent
         if not oracle.total:
             self.quiet.append(nodeid)
 
@@ -164,7 +170,8 @@ class Session:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(self.checks.items())) or "none"
         lines = [
             f"{self.tests} tests under the believer oracle: {sum(self.checks.values())} grants "
-            f"checked ({kinds}), {self.disagreements} disagreement(s)",
+            f"checked ({kinds}), {self.disagreements} disagreement(s); the oracle took "
+            f"{self.spent:.2f} s",
             "by report: " + ", ".join(f"{a} {n}" for a, n in sorted(self.by_api.items())),
         ]
         if self.inconclusive:
@@ -199,6 +206,8 @@ class Believer:
         self.notes: list[str] = []
         self.disagreements: list[Disagreement] = []
         self.errors: list[str] = []
+        #: seconds the oracle itself took (installing, checking, closing): what it adds
+        self.spent = 0.0
 
     # --- findings ---------------------------------------------------------------------------
 
@@ -220,6 +229,11 @@ class Believer:
         with self._lock:
             self.inconclusive[kind] += 1
             self.notes.append(note)
+
+    def _spent(self, since: float) -> None:
+        took = time.monotonic() - since
+        with self._lock:
+            self.spent += took
 
     def error(self, api: str, obj: Any, exc: Exception) -> None:
         with self._lock:
@@ -286,6 +300,7 @@ class Believer:
             parent.permits += frame.permits
             parent.verified += frame.verified
             parent.checked |= frame.checked
+            parent.databases += frame.databases
         return parent
 
     def call(self, api: str, obj: Any, granted: Callable[[Any], bool], describe: Callable[..., Any],
@@ -306,6 +321,7 @@ class Believer:
             describe(obj, result, frame, api, reported, parent)
         except Exception as exc:
             self.error(api, obj, exc)
+        self._spent(reported)
         if parent is not None:
             parent.checked.add(id(obj))
         return result
@@ -316,9 +332,9 @@ class Believer:
                     parent: _Frame | None) -> None:
         """A lock object reported a grant (acquire True, ``with`` entered)."""
         if isinstance(obj, pglock.Lease):
-            self.lease(obj, api, reported)
+            self.lease(obj, api, reported, frame)
         elif isinstance(obj, pglock.Semaphore):
-            self.permit(_last_permit(obj, frame), api, reported)
+            self.permit(_last_permit(obj, frame), api, reported, frame)
         elif isinstance(obj, pglock.Singleton):
             self.nested(obj, api, frame, pglock.key(obj.name), parent)
         else:
@@ -384,12 +400,12 @@ class Believer:
         if parent is not None:
             parent.verified.append((server, pid, frozenset([key]), True))
 
-    def lease(self, lease: pglock.Lease, api: str, reported: float) -> None:
+    def lease(self, lease: pglock.Lease, api: str, reported: float, frame: _Frame) -> None:
         believed = lease.locked
         claimed = (f"lease {lease.name!r} held by {lease.holder!r} with token {lease.token} "
                    f"(believed {'until after' if believed else 'not even at'} the report)")
         query = sql.SQL(_LEASE).format(sql.Identifier(lease.schema))
-        rows = self._observe(_database(lease), query,
+        rows = self._observe(_database(lease, frame), query,
                              (time.monotonic() - reported, lease.name))
         self._count("lease", api)
         row = rows[0] if rows else None
@@ -405,12 +421,12 @@ class Believer:
         )
         self._judge_gone("lease", api, claimed, database, still=lease.locked)
 
-    def permit(self, permit: Any, api: str, reported: float) -> None:
+    def permit(self, permit: Any, api: str, reported: float, frame: _Frame) -> None:
         believed = permit.locked
         claimed = (f"{permit.permits} permit(s) of semaphore {permit.name!r} for holder "
                    f"{permit.holder!r}")
         query = sql.SQL(_PERMIT).format(sql.Identifier(permit._schema))
-        rows = self._observe(_database(permit), query,
+        rows = self._observe(_database(permit, frame), query,
                              (time.monotonic() - reported, permit.name, permit.holder))
         self._count("permit", api)
         row = rows[0] if rows else None
@@ -462,6 +478,12 @@ class Believer:
         if stack:
             stack[-1].permits.append(permit)
 
+    def frame_database(self, conn: psycopg.Connection[Any]) -> None:
+        stack = self._stack()
+        if stack and not conn.closed:
+            info = conn.info
+            stack[-1].databases.append((str(info.host), str(info.port), str(info.dbname)))
+
 
 def _keys(names: Any) -> frozenset[int]:
     return frozenset(pglock.key(n) for n in ([names] if isinstance(names, str) else names))
@@ -478,7 +500,11 @@ def _last_permit(sem: Any, frame: _Frame) -> Any:
     return mine[-1]
 
 
-def _database(held: Any) -> Server:
+def _database(held: Any, frame: _Frame) -> Server:
+    """Where the statements of the call that made the grant ran; else where the handle's
+    source says it connects (an Engine made with ``creator=`` cannot say)."""
+    if frame.databases:
+        return frame.databases[-1]
     identity = held._source.database
     if len(identity) != 4 or identity[0] != "database":
         raise OracleError(f"cannot tell which database {held!r} is in ({identity!r})")
@@ -589,9 +615,9 @@ def _wrap_locks(mp: pytest.MonkeyPatch, oracle: Believer) -> None:
                 _wrap_method(mp, cls, attr, oracle, granted, oracle.lock_object)
     from pglock import _semaphore
 
-    def held_permit(_hold: Any, permit: Any, _frame: _Frame, api: str, reported: float,
+    def held_permit(_hold: Any, permit: Any, frame: _Frame, api: str, reported: float,
                     _parent: _Frame | None) -> None:
-        oracle.permit(permit, api, reported)
+        oracle.permit(permit, api, reported, frame)
 
     _wrap_method(mp, _semaphore._Hold, "__enter__", oracle, _returned, held_permit,
                  "Semaphore.hold().__enter__")
@@ -603,6 +629,16 @@ def _wrap_locks(mp: pytest.MonkeyPatch, oracle: Believer) -> None:
         oracle.frame_permit(self)
 
     mp.setattr(pglock.Permit, "__init__", permit_init)
+    from pglock import _conn
+
+    fetch = _conn.fetch
+
+    @functools.wraps(fetch)
+    def watched(conn: psycopg.Connection[Any], *args: Any, **kwargs: Any) -> Any:
+        oracle.frame_database(conn)
+        return fetch(conn, *args, **kwargs)
+
+    mp.setattr(_conn, "fetch", watched)
     _remembering(mp, pglock.PgLock, oracle)
     _remembering(mp, pglock.PoolLock, oracle)
     _tag_holds(mp, oracle)
@@ -668,10 +704,12 @@ def _wrap_leader(mp: pytest.MonkeyPatch, oracle: Believer) -> None:
     def check(election: Any, api: str) -> None:
         if oracle.closed:
             return
+        since = time.monotonic()
         try:
             oracle.leader(election, api)
         except Exception as exc:
             oracle.error(api, election, exc)
+        oracle._spent(since)
 
     @functools.wraps(is_leader)
     def leading(self: Any) -> bool:
@@ -721,13 +759,18 @@ def believing(server_dsn: str) -> Iterator[Believer]:
     if _active is not None:
         raise RuntimeError("the believer oracle is already active")
     oracle = Believer(server_dsn)
+    since = time.monotonic()
     with pytest.MonkeyPatch.context() as mp:
         _wrap_locks(mp, oracle)
         _wrap_xact(mp, oracle)
         _wrap_leader(mp, oracle)
         _active = oracle
+        oracle._spent(since)
         try:
             yield oracle
         finally:
+            since = time.monotonic()
             _active = None
             oracle.close()
+            mp.undo()
+            oracle.spent += time.monotonic() - since
