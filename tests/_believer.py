@@ -255,8 +255,10 @@ class Believer:
     # --- observers --------------------------------------------------------------------------
 
     def _observe(
-        self, server: Server, query: Any, params: tuple[Any, ...]
+        self, server: Server, query: Any, params: tuple[Any, ...] | Callable[[], tuple[Any, ...]]
     ) -> list[Any]:
+        """Run ``query`` on the observer of ``server`` (connected at its first use); a
+        callable ``params`` is called just before it is sent (a time since the report)."""
         with self._lock:
             if self.closed:
                 raise OracleError("the oracle was closed")
@@ -269,7 +271,7 @@ class Believer:
                 found = self._observers[server] = (threading.Lock(), conn)
         lock, conn = found
         with lock:
-            return conn.execute(query, params).fetchall()
+            return conn.execute(query, params() if callable(params) else params).fetchall()
 
     def close(self) -> None:
         with self._lock:
@@ -406,7 +408,7 @@ class Believer:
                    f"(believed {'until after' if believed else 'not even at'} the report)")
         query = sql.SQL(_LEASE).format(sql.Identifier(lease.schema))
         rows = self._observe(_database(lease, frame), query,
-                             (time.monotonic() - reported, lease.name))
+                             lambda: (time.monotonic() - reported, lease.name))
         self._count("lease", api)
         row = rows[0] if rows else None
         if row is not None and (row[0], row[1]) == (lease.holder, lease.token):
@@ -427,7 +429,7 @@ class Believer:
                    f"{permit.holder!r}")
         query = sql.SQL(_PERMIT).format(sql.Identifier(permit._schema))
         rows = self._observe(_database(permit, frame), query,
-                             (time.monotonic() - reported, permit.name, permit.holder))
+                             lambda: (time.monotonic() - reported, permit.name, permit.holder))
         self._count("permit", api)
         row = rows[0] if rows else None
         if row is not None and row[0] == permit.permits and row[1]:

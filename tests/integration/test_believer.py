@@ -29,7 +29,7 @@ from _threads import started
 from _truth import holders
 from psycopg import sql
 from psycopg_pool import ConnectionPool
-from test_lease_support import wait_until
+from test_lease_support import sleep_until_expired, wait_until
 
 import pglock
 from pglock import _lease, _semaphore, _sql
@@ -398,6 +398,42 @@ def test_a_lock_the_oracle_cannot_describe_is_an_oracle_error(oracle: _believer.
     assert oracle.disagreements == []
     assert len(oracle.errors) == 1 and "does not know" in oracle.errors[0]
     assert oracle.verdict() is not None and "oracle error" in str(oracle.verdict())
+
+
+# --- a grant gone legitimately while the oracle looked -------------------------------------------
+
+
+@pytest.mark.parametrize("taken_over", [False, True], ids=["still-there", "taken-over"])
+def test_a_lease_that_expires_while_the_oracle_looks(
+    taken_over: bool, env: Env, oracle: _believer.Believer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow look is no false alarm: the row still there agrees (it was unexpired at the
+    report, which is what the check asks), and a rival's row, taken over once the grant
+    expired, is inconclusive: pglock had stopped believing the grant by then."""
+    n = env.name
+    lease = pglock.lease(env.dsn, n, holder="me", ttl=0.3, keepalive=False)
+    rival = pglock.lease(env.dsn, n, holder="rival", keepalive=False)
+    observe = oracle._observe
+    slowed: list[bool] = []
+
+    def slow(server: Any, query: Any, params: Any) -> Any:
+        if not slowed:
+            slowed.append(True)
+            sleep_until_expired(env.obs, n)
+            if taken_over:
+                assert rival.acquire(timeout=5) is True
+        return observe(server, query, params)
+
+    monkeypatch.setattr(oracle, "_observe", slow)
+    assert lease.acquire(timeout=0) is True
+    assert not lease.locked and slowed
+    assert oracle.verdict() is None, oracle.verdict()
+    assert oracle.checks["lease"] == (2 if taken_over else 1)
+    assert oracle.inconclusive == ({"lease": 1} if taken_over else {}), oracle.notes
+    if taken_over:
+        rival.release()
+    with contextlib.suppress(pglock.LockLost):
+        lease.release()
 
 
 # --- the positive control -----------------------------------------------------------------------
