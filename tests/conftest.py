@@ -220,6 +220,33 @@ def name() -> str:
 
 
 @pytest.fixture
+def believer(pg_dsn: str, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The believer oracle (tests/_believer.py) for this test: every grant pglock reports is
+    checked against the database at once; a disagreement fails the test at teardown. A module
+    runs under it with ``pytestmark = pytest.mark.usefixtures("believer")``."""
+    import _believer
+
+    with _believer.believing(pg_dsn) as oracle:
+        yield oracle
+    _believer.SESSION.record(request.node.nodeid, oracle)
+    verdict = oracle.verdict()
+    if verdict:
+        pytest.fail(verdict, pytrace=False)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """What the believer oracle checked in this run, and the tests under it that saw no grant."""
+    import sys
+
+    believer = sys.modules.get("_believer")
+    lines = [] if believer is None else believer.SESSION.summary()
+    if lines:
+        terminalreporter.write_sep("-", "believer oracle")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+@pytest.fixture
 def statements(monkeypatch: pytest.MonkeyPatch) -> Any:
     """The lease and semaphore statements sent during the test, by kind (tests/_sent.py)."""
     import _sent

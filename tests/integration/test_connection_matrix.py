@@ -50,7 +50,8 @@ import pglock
 import pglock.sqlalchemy
 from pglock import _lease
 
-pytestmark = pytest.mark.timeout(60)
+#: Every grant reported here is checked against the database (tests/_believer.py).
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("believer")]
 
 X, S = "ExclusiveLock", "ShareLock"
 

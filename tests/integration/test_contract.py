@@ -23,6 +23,9 @@ from psycopg_pool import ConnectionPool
 import pglock
 from pglock._keys import DEFAULT
 
+#: Every grant reported here is checked against the database (tests/_believer.py).
+pytestmark = pytest.mark.usefixtures("believer")
+
 
 class Env:
     """The sources a kind needs, on the test's lease database; all closed after the test."""

@@ -14,6 +14,9 @@ from _threads import in_thread
 import pglock
 from pglock import _waiting
 
+#: Every grant reported here is checked against the database (tests/_believer.py).
+pytestmark = pytest.mark.usefixtures("believer")
+
 
 def lease_rows(admin: psycopg.Connection[Any], name: str) -> list[tuple[Any, ...]]:
     return admin.execute("SELECT holder FROM pglock.lease WHERE name = %s", (name,)).fetchall()
