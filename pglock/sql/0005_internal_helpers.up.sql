@@ -1,5 +1,6 @@
 -- pglock_0005 upgrade: revision 0004's internal helpers, hand_over_v4 and take_over_v4, run
--- with the rights of their caller (SECURITY INVOKER) instead of their owner's.
+-- with the rights of their caller (SECURITY INVOKER) instead of their owner's; its token_epoch
+-- trigger fires whatever the session's session_replication_role.
 -- Placeholders are filled by pglock/migrations/versions/0005_internal_helpers.py;
 -- docs/leases.md ("Permissions") and docs/reference/sql.md say what an application role can do.
 --
@@ -31,5 +32,11 @@ ALTER FUNCTION {s}.take_over_v4(text, double precision) SECURITY INVOKER;
 COMMENT ON FUNCTION {s}.hand_over_v4(text, double precision) IS 'pglock internal (SECURITY INVOKER): hand the lease, its row locked by the caller, to the first live waiter; called by release_v4 and take_over_v4';
 
 COMMENT ON FUNCTION {s}.take_over_v4(text, double precision) IS 'pglock internal (SECURITY INVOKER): hand a free or expired lease to the first live waiter; called by acquire_v4 and wait_v4';
+
+-- The token_epoch trigger (0004) keeps fencing tokens above the WAL timeline's floor. An
+-- ordinary trigger does not fire in a session whose session_replication_role is replica (which a
+-- superuser can set for a role or a database): its grants would draw tokens below the floor,
+-- which a failover can hand out again. ALWAYS: it fires whatever the session says.
+ALTER TABLE {s}.lease ENABLE ALWAYS TRIGGER token_epoch;
 
 INSERT INTO {s}.schema_revision (revision) VALUES ({rev}) ON CONFLICT DO NOTHING;

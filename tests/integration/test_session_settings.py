@@ -34,6 +34,7 @@ import pytest
 from _pgdb import with_params
 from test_caller_state import OPS, World
 from test_caller_state import db as db  # the module's database (a fixture)
+from test_lease_support import lease_database
 
 import pglock
 from pglock import _lease, _registry, _source, _waiting
@@ -326,3 +327,22 @@ def _registered(dsn: str, app_name: str, setting: str, value: str, name: str) ->
     except Exception as exc:
         return f"{setting}={value}: the name registry: {type(exc).__name__}: {exc}"
     return None
+
+
+def test_tokens_stay_above_the_timeline_floor_whatever_session_replication_role(
+    pg_dsn: str, app_name: str
+) -> None:
+    """The generated run above grants its first lease under default settings, which moves the
+    token sequence above the WAL timeline's floor for good; here the first grant of a new
+    database comes from a session whose session_replication_role is replica, under which an
+    ordinary trigger (token_epoch, before revision 0005) does not fire."""
+    with lease_database(pg_dsn) as dsn:
+        hostile = with_params(dsn, application_name=app_name,
+                              options="-c session_replication_role=replica")
+        with pglock.lease(hostile, "first", ttl=10) as lease, psycopg.connect(dsn) as obs:
+            floor = obs.execute(
+                "SELECT ('x' || lpad(substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8), 16,"
+                " '0'))::bit(64)::bigint << 40"
+            ).fetchone()
+            assert floor is not None and lease.token is not None
+            assert lease.token >= floor[0]

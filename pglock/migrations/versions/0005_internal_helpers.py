@@ -1,5 +1,6 @@
 """Leases: revision 0004's internal helpers (``hand_over_v4``, ``take_over_v4``) run with their
-caller's rights, so a role granted EXECUTE on the schema's functions cannot call them directly.
+caller's rights, so a role granted EXECUTE on the schema's functions cannot call them directly;
+its ``token_epoch`` trigger fires whatever the session's ``session_replication_role``.
 
 SQL: ``pglock/sql/0005_internal_helpers.up.sql`` and ``.down.sql`` (docs/reference/sql.md).
 """
