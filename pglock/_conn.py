@@ -775,6 +775,8 @@ class ConnState:
         #: Why handles that still believe they hold a lock on the connection raise LockLost
         #: (set when the bookkeeping was dropped, for example by the pool reset).
         self.lost: str | None = None
+        #: The pglock schemas this session may use (pglock._ttl.trust): checked once each.
+        self.trusted: set[str] = set()
 
 
 _registry = weakref.WeakKeyDictionary[psycopg.Connection[Any], ConnState]()

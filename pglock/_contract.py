@@ -78,3 +78,25 @@ def epoch_lock_key(schema: str) -> int:
     (revision 0004's ``token_epoch`` trigger): the lock-name key of ``pglock:epoch:<schema>``."""
     digest = hashlib.sha256(f"pglock:epoch:{schema}".encode()).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
+
+
+#: SQL, true for a schema (``n``, a pg_namespace row) where a role other than its owner and the
+#: superusers may create objects, or that holds an object of such a role. Whoever may do that can
+#: make pglock's functions run code of its own, with their owner's rights (an install into it),
+#: or answer for them (a lease statement calling it): docs/threat-model.md, "(e) Other roles".
+SCHEMA_OPEN = (
+    "(EXISTS (SELECT FROM pg_catalog.aclexplode(n.nspacl) a"
+    " WHERE a.privilege_type OPERATOR(pg_catalog.=) 'CREATE'"
+    " AND a.grantee OPERATOR(pg_catalog.<>) n.nspowner AND NOT COALESCE((SELECT r.rolsuper"
+    " FROM pg_catalog.pg_roles r WHERE r.oid OPERATOR(pg_catalog.=) a.grantee), false))"
+    " OR EXISTS (SELECT FROM (SELECT proowner AS owner FROM pg_catalog.pg_proc"
+    " WHERE pronamespace OPERATOR(pg_catalog.=) n.oid"
+    " UNION ALL SELECT relowner FROM pg_catalog.pg_class"
+    " WHERE relnamespace OPERATOR(pg_catalog.=) n.oid"
+    " UNION ALL SELECT typowner FROM pg_catalog.pg_type"
+    " WHERE typnamespace OPERATOR(pg_catalog.=) n.oid"
+    " UNION ALL SELECT oprowner FROM pg_catalog.pg_operator"
+    " WHERE oprnamespace OPERATOR(pg_catalog.=) n.oid) x"
+    " JOIN pg_catalog.pg_roles r ON r.oid OPERATOR(pg_catalog.=) x.owner"
+    " WHERE x.owner OPERATOR(pg_catalog.<>) n.nspowner AND NOT r.rolsuper))"
+)

@@ -410,7 +410,7 @@ class Lease(_base.BaseLock, _ttl.Held):
             )
         _, _, holder, *grant = found[0][0]
         if holder is not None:
-            _waiting.waiters.hand(self._source.database, self._schema, self._name, holder,
+            _waiting.waiters.hand(self._source, self._schema, self._name, holder,
                                   _waiting.Handed._make(grant))
         return found
 

@@ -21,7 +21,7 @@ from . import _classify, _conn, _sql
 from ._classify import Kind, classify
 from ._contract import DEFAULT_SCHEMA, install_lock_key, validate_schema
 from ._deadline import connect_extra
-from .migrations import PIN_SEARCH_PATH, VERSIONS_DIR
+from .migrations import PIN_SEARCH_PATH, VERSIONS_DIR, trusted_schema
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,7 @@ def _install(conn: psycopg.Connection[Any], schema: str, plan: list[Revision]) -
     with conn.transaction():
         _conn.fetch(conn, PIN_SEARCH_PATH)  # until the commit
         _conn.fetch(conn, _sql.schema_install_lock(install_lock_key(schema)))
+        _conn.fetch(conn, trusted_schema(schema))  # before reading anything of it
         done = set(installed_revisions(conn, schema))
         for rev in plan:
             if rev.revision in done:

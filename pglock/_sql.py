@@ -12,7 +12,7 @@ from functools import partial
 
 from psycopg import sql
 
-from ._contract import DEFAULT_SCHEMA, NAMES_MARKER, NAMES_TABLE
+from ._contract import DEFAULT_SCHEMA, NAMES_MARKER, NAMES_TABLE, SCHEMA_OPEN
 
 SAVEPOINT_NAME = sql.Identifier("_pglock_acquire")
 
@@ -143,9 +143,11 @@ def names_readable(schema: str) -> sql.Composed:
 # and restored afterwards (SET LOCAL inside a block that succeeds would outlive it). Names
 # travel hex-encoded, so no user text is ever inside the dollar-quoted body.
 _REGISTER = (
-    "DO $pglock$DECLARE lt pg_catalog.text := pg_catalog.current_setting('lock_timeout'); BEGIN"
+    "DO $pglock$DECLARE lt pg_catalog.text := pg_catalog.current_setting('lock_timeout');"
+    " ee pg_catalog.text := pg_catalog.current_setting('exit_on_error'); BEGIN"
     " IF pg_catalog.current_setting('transaction_isolation') OPERATOR(pg_catalog.<>) 'serializable'"
     " THEN"
+    " PERFORM pg_catalog.set_config('exit_on_error', 'off', true);"  # the error below is caught
     " BEGIN"
     " SET LOCAL lock_timeout = '1ms';"
     " INSERT INTO {table} (key, name) VALUES {values} ON CONFLICT (key) DO NOTHING;"
@@ -153,6 +155,7 @@ _REGISTER = (
     " EXCEPTION WHEN OTHERS THEN NULL;"
     " END;"
     " PERFORM pg_catalog.set_config('lock_timeout', lt, true);"
+    " PERFORM pg_catalog.set_config('exit_on_error', ee, true);"
     " END IF;"
     " END$pglock$"
 )
@@ -631,14 +634,36 @@ def lease_statement(kind: str, schema: str) -> sql.Composed:
 
 
 # A lease statement that failed with a serialization failure or a deadlock (possible under a
-# stricter default isolation), or that the session's own timeouts cut short, is sent again in
-# these: at READ COMMITTED it sees the latest commits, and a client-side deadline bounds it.
+# stricter default isolation), that the session's own timeouts cut short, or that a read-only
+# default refused, is sent again in these, and so is every statement of a session whose
+# synchronous_commit is off: at READ COMMITTED it sees the latest commits, a client-side deadline
+# bounds it, a grant is durable (a function turns it off where it may), and an error the
+# functions catch themselves cannot end the session.
 LEASE_RETRY_BEGIN = (
     "BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE;"
-    " SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0"
+    " SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0;"
+    " SET LOCAL synchronous_commit = on; SET LOCAL exit_on_error = off"
 )
 LEASE_RETRY_COMMIT = "COMMIT"
 LEASE_RETRY_ROLLBACK = "ROLLBACK"
+
+
+def schema_check(schema: str) -> sql.Composed:
+    """One row: does ``schema`` exist; may the current role trust it (its owner is the role, a
+    superuser, the database's owner or a role it is a member of, as for the name registry, and no
+    other role may create objects in it or owns one: pglock._contract.SCHEMA_OPEN); is the
+    session's ``synchronous_commit`` off (a grant would not be durable)."""
+    return sql.SQL(
+        "SELECT n.oid IS NOT NULL, (o.oid OPERATOR(pg_catalog.=) u.oid OR o.rolsuper"  # noqa: S608
+        " OR o.oid OPERATOR(pg_catalog.=) d.datdba"
+        " OR (NOT u.rolsuper AND pg_catalog.pg_has_role(o.oid, 'USAGE'))) AND NOT " + SCHEMA_OPEN
+        + ", pg_catalog.current_setting('synchronous_commit') OPERATOR(pg_catalog.=) 'off'"
+        " FROM pg_catalog.pg_roles u JOIN pg_catalog.pg_database d"
+        " ON d.datname OPERATOR(pg_catalog.=) pg_catalog.current_database()"
+        " LEFT JOIN pg_catalog.pg_namespace n ON n.nspname OPERATOR(pg_catalog.=) {schema}"
+        " LEFT JOIN pg_catalog.pg_roles o ON o.oid OPERATOR(pg_catalog.=) n.nspowner"
+        " WHERE u.rolname OPERATOR(pg_catalog.=) CURRENT_USER"
+    ).format(schema=sql.Literal(schema))
 
 
 def client_encoding(name: str) -> sql.Composed:

@@ -21,7 +21,7 @@ from . import _conn, _keepalive, _sql, _waiting
 from ._keepalive import Held, call_soon
 from ._source import Source, close_dsn_sources
 from ._waiting import Attempt, Closed, Rows, wait, wake
-from .errors import InvalidConnectionState
+from .errors import InvalidConnectionState, UnsupportedServer
 
 logger = logging.getLogger("pglock.ttl")
 
@@ -70,6 +70,7 @@ def _execute(
         )
     libpq = libpq and params is not None and _conn.direct(conn)
     try:
+        trust(conn, schema)
         with _conn.utf8(conn), contextlib.nullcontext() if libpq else _autocommit(conn):
             if params is not None:
                 return _with_retries(conn, rows, kind, query, params, binary, libpq)
@@ -81,6 +82,32 @@ def _execute(
             return results[-1] if results else []
     except psycopg.Error as exc:
         raise_translated(exc, conn, schema)
+
+
+def trust(conn: psycopg.Connection[Any], schema: str) -> None:
+    """Once per session and schema, before pglock calls a function of it (or reads its tables):
+    refuse a schema the current role cannot trust (UnsupportedServer), which would answer for
+    pglock's functions (docs/threat-model.md, "(e) Other roles"); a session whose
+    synchronous_commit is off sends its statements in a transaction that turns it on (a grant
+    must be durable)."""
+    state = _conn.state_for(conn)
+    if schema in state.trusted:
+        return
+    # Through libpq: no BEGIN (a statement-pooling PgBouncer refuses transaction blocks).
+    res = _conn.call(conn, _sql.schema_check(schema).as_bytes(conn))
+    exists, trusted, sync_off = (_conn.truth(res, 0, c) for c in range(3))
+    if not exists:
+        return  # its functions are missing: SchemaNotInstalled
+    if not trusted:
+        raise UnsupportedServer(
+            f"pglock does not use schema {schema!r} of this database: its owner is not this "
+            "role, a superuser, the database's owner or a role this role is a member of, or "
+            "another role may create objects in it or owns one of them (it could answer for "
+            "pglock's functions); install pglock as such a role (docs/leases.md, Permissions)"
+        )
+    if sync_off:
+        state.session_timeouts = True  # see _with_retries: an explicit transaction
+    state.trusted.add(schema)
 
 
 @contextlib.contextmanager

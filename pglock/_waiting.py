@@ -81,7 +81,7 @@ class Slot:
     """A lease waiter of this process queued in the database: the grants handed to it (by
     waiter id, from a local release's answer) and a poke (heartbeat now: a NOTIFY's hint)."""
 
-    __slots__ = ("cond", "grants", "hkey", "lined", "poked", "waiter")
+    __slots__ = ("cond", "grants", "hkey", "lined", "poked", "source", "waiter")
 
     def __init__(self, lock: threading.Lock) -> None:
         self.cond = threading.Condition(lock)  # also its ticket in the name's process queue
@@ -90,6 +90,7 @@ class Slot:
         self.lined = False
         self.waiter: int | None = None
         self.hkey: Key = ()  # (database, schema, name, holder): where grants find it
+        self.source: object = None  # the key of the source it waits on
 
 
 class _Queue:
@@ -198,7 +199,7 @@ class _Waiters:
         source of ``database``)."""
         with self.lock:
             slot = self.slots.setdefault(key, {}).setdefault(holder, Slot(self.lock))
-            slot.hkey = (database, key[1], key[3], holder)
+            slot.hkey, slot.source = (database, key[1], key[3], holder), key[0]
             self.handed[slot.hkey] = slot
             self.waiting[key[:3]] += 1
             return slot
@@ -231,12 +232,19 @@ class _Waiters:
                     if not self.queues[key]:
                         del self.queues[key]
 
-    def hand(self, database: object, schema: str, name: str, holder: str, grant: Handed) -> None:
-        """A grant handed to ``holder`` by a release whose answer this process read: its waiter
-        takes it, if in this process (on any source of ``database``)."""
+    def hand(
+        self, source: Any, schema: str, name: str, holder: str, grant: Handed
+    ) -> None:
+        """A grant handed to ``holder`` by a release on ``source`` whose answer this process read:
+        its waiter takes it if it waits on that source; on another source of the same database
+        as far as connection strings tell (two spellings, or two databases that look alike),
+        the waiter is poked, and asks its own database."""
         with self.lock:
-            if (slot := self.handed.get((database, schema, name, holder))) is not None:
-                slot.grants[grant.waiter] = grant
+            if (slot := self.handed.get((source.database, schema, name, holder))) is not None:
+                if slot.source == source.key:
+                    slot.grants[grant.waiter] = grant
+                else:
+                    slot.poked = True
                 slot.cond.notify()
 
     def await_grant(

@@ -13,7 +13,7 @@ from typing import Any
 
 from psycopg import sql
 
-from .._contract import DEFAULT_SCHEMA, validate_schema
+from .._contract import DEFAULT_SCHEMA, SCHEMA_OPEN, validate_schema
 
 #: The directory to add to Alembic's ``version_locations``.
 VERSIONS_DIR = str(Path(__file__).resolve().parent / "versions")
@@ -33,6 +33,33 @@ RESTORE_SEARCH_PATH = sql.SQL(
     "SELECT pg_catalog.set_config('search_path',"
     " pg_catalog.current_setting('pglock.search_path'), true)"
 ).format()
+
+#: Before any revision reads or writes the schema: create it if it is missing (the installing
+#: role owns it then), else refuse (42501) one that is not the installing role's (or a
+#: superuser's), or that another role may create objects in. The install's DDL reuses what
+#: exists (CREATE ... IF NOT EXISTS), and its SECURITY DEFINER functions run with the
+#: installer's rights: a schema planted by another role would get them.
+TRUSTED_SCHEMA = (
+    "DO $pglock$BEGIN IF NOT EXISTS (SELECT FROM pg_catalog.pg_namespace n"  # noqa: S608
+    " WHERE n.nspname OPERATOR(pg_catalog.=) {name}) THEN CREATE SCHEMA {schema};"
+    " ELSIF EXISTS (SELECT FROM pg_catalog.pg_namespace n"
+    " JOIN pg_catalog.pg_roles o ON o.oid OPERATOR(pg_catalog.=) n.nspowner"
+    " WHERE n.nspname OPERATOR(pg_catalog.=) {name} AND (NOT (o.rolsuper"
+    " OR o.rolname OPERATOR(pg_catalog.=) CURRENT_USER) OR " + SCHEMA_OPEN + ")) THEN"
+    " RAISE EXCEPTION USING ERRCODE = '42501', MESSAGE = {message}; END IF; END$pglock$"
+)
+
+
+def trusted_schema(schema: str) -> sql.Composed:
+    """:data:`TRUSTED_SCHEMA` for ``schema``."""
+    message = (
+        f"pglock: schema {schema} exists and is not the installing role's: another role owns "
+        "it, may create objects in it or owns one of them; install as its owner, or drop it"
+    )
+    return sql.SQL(TRUSTED_SCHEMA).format(
+        name=sql.Literal(schema), schema=sql.Identifier(schema), message=sql.Literal(message)
+    )
+
 
 __all__ = [
     "BRANCH_LABEL",
@@ -103,11 +130,12 @@ def alembic_schema() -> str:
 
 def alembic_execute(statements: list[Any]) -> None:
     """Run composed statements through Alembic: verbatim on the connection (online), or as
-    SQL text (offline, ``alembic upgrade --sql``), between :data:`PIN_SEARCH_PATH` and
-    :data:`RESTORE_SEARCH_PATH`."""
+    SQL text (offline, ``alembic upgrade --sql``), between :data:`PIN_SEARCH_PATH` (and the
+    check of :data:`TRUSTED_SCHEMA`) and :data:`RESTORE_SEARCH_PATH`."""
     from alembic import context, op
 
-    statements = [PIN_SEARCH_PATH, *statements, RESTORE_SEARCH_PATH]
+    statements = [PIN_SEARCH_PATH, trusted_schema(alembic_schema()), *statements,
+                  RESTORE_SEARCH_PATH]
     # The text goes out verbatim: no bind-parameter parsing of ':name' (SQLAlchemy text())
     # nor of '%' (psycopg placeholders), which PL/pgSQL bodies are full of.
     if context.is_offline_mode():

@@ -39,4 +39,43 @@ COMMENT ON FUNCTION {s}.take_over_v4(text, double precision) IS 'pglock internal
 -- which a failover can hand out again. ALWAYS: it fires whatever the session says.
 ALTER TABLE {s}.lease ENABLE ALWAYS TRIGGER token_epoch;
 
+-- Errors the functions catch themselves (lock_not_available behind a guard()ing transaction, a
+-- concurrent insert) must stay errors: a session whose exit_on_error is on would otherwise end at
+-- the first of them, with the caller's statement and every lock of its session.
+ALTER FUNCTION {s}.acquire(text, text, double precision, jsonb, double precision, boolean) SET exit_on_error = off;
+
+ALTER FUNCTION {s}.extend(text, text, bigint, double precision, boolean) SET exit_on_error = off;
+
+ALTER FUNCTION {s}.extend_many(text[], text[], bigint[], double precision[], boolean, double precision) SET exit_on_error = off;
+
+ALTER FUNCTION {s}.release(text, text, bigint) SET exit_on_error = off;
+
+ALTER FUNCTION {s}.guard(text, text, bigint) SET exit_on_error = off;
+
+ALTER FUNCTION {s}.semaphore_acquire(text, integer, text, integer, double precision, jsonb, boolean) SET exit_on_error = off;
+
+ALTER FUNCTION {s}.semaphore_extend(text, text[], double precision) SET exit_on_error = off;
+
+ALTER FUNCTION {s}.semaphore_release(text, text) SET exit_on_error = off;
+
+ALTER FUNCTION {s}.hand_over_v4(text, double precision) SET exit_on_error = off;
+
+ALTER FUNCTION {s}.take_over_v4(text, double precision) SET exit_on_error = off;
+
+ALTER FUNCTION {s}.acquire_v4(text, text, double precision, jsonb, double precision, boolean, double precision) SET exit_on_error = off;
+
+ALTER FUNCTION {s}.release_v4(text, text, bigint) SET exit_on_error = off;
+
+ALTER FUNCTION {s}.wait_v4(text, text, bigint, double precision) SET exit_on_error = off;
+
+ALTER FUNCTION {s}.leave_v4(text, text, bigint) SET exit_on_error = off;
+
+ALTER FUNCTION {s}.info(text) SET exit_on_error = off;
+
+ALTER FUNCTION {s}.leases(text) SET exit_on_error = off;
+
+ALTER FUNCTION {s}.semaphore_info(text) SET exit_on_error = off;
+
+ALTER FUNCTION {s}.token_epoch_v4() SET exit_on_error = off;
+
 INSERT INTO {s}.schema_revision (revision) VALUES ({rev}) ON CONFLICT DO NOTHING;
