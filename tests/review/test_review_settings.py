@@ -194,3 +194,49 @@ def test_deadlock_victim_under_exit_on_error_keeps_its_session(
         ay.release()
     hx.release()
     assert alive, f"the victim's session ended; keep.locked={hk.locked}"
+
+
+FINDING_10 = "review finding 10: the session's statement_timeout cuts pglock's own statements"
+
+
+@pytest.mark.xfail(strict=True, reason=FINDING_10)
+def test_a_short_statement_timeout_does_not_fail_a_wait_without_timeout(
+    installed: str, connect: Any
+) -> None:
+    """docs/guarantees.md: "A session's own statement_timeout does not shorten a longer wait that
+    was asked for"; the threat model: every *timeout is overridden for pglock's waits. With
+    statement_timeout=1ms from the role/DSN, the first pg_lock(timeout=None) on a connection
+    raises LockNotAcquired (a TimeoutError) every time: the once-per-connection probe (a
+    catalog lookup, ~4 ms cold here) is cut by the session's statement_timeout, and the 57014
+    is translated as if it were pglock's own lock timeout."""
+    c = connect(options="-c statement_timeout=1ms")
+    name = _name()
+    with pglock.pg_lock(c, name):
+        assert held_keys(installed, [pglock.key(name)])
+
+
+@pytest.mark.xfail(strict=True, reason=FINDING_10)
+def test_a_statement_timeout_set_later_leaves_nothing_held_after_release(
+    installed: str, connect: Any
+) -> None:
+    """docs/how-it-works.md: "a session that sets them later is found out when one of them cuts
+    a wait short, and the wait is sent once more with the override". Here the session sets
+    statement_timeout=1ms after its first lock; a pg_lock of 300 names is then cut partway (some
+    keys granted), its clean-up (unlock_if_held, under the same statement_timeout) is cut too and
+    only logged, and the retry takes every key again (a second count on the granted ones).
+    acquire() returns True, release() returns normally, and pg_locks still shows the keys the
+    first attempt got: held by this session until it ends, though pglock says released."""
+    c = connect()
+    with pglock.pg_lock(c, _name()):  # the probe runs with the default settings
+        pass
+    c.execute("SET statement_timeout = '1ms'")
+    names = [_name() for _ in range(300)]
+    keys = [pglock.key(n) for n in names]
+    lock = pglock.pg_lock(c, names)
+    assert lock.acquire()
+    lock.release()
+    left = held_keys(installed, keys)
+    if left:
+        c.execute("SET statement_timeout = 0")
+        c.execute("SELECT pg_advisory_unlock_all()")  # clean up what pglock left
+    assert left == [], f"{len(left)} of {len(keys)} keys still held after release()"
