@@ -240,3 +240,40 @@ def test_a_statement_timeout_set_later_leaves_nothing_held_after_release(
         c.execute("SET statement_timeout = 0")
         c.execute("SELECT pg_advisory_unlock_all()")  # clean up what pglock left
     assert left == [], f"{len(left)} of {len(keys)} keys still held after release()"
+
+
+@pytest.mark.xfail(strict=True, reason=FINDING_1)
+def test_a_lease_acquire_behind_a_guard_under_exit_on_error_returns_false(
+    installed: str, connect: Any, app_name: str
+) -> None:
+    """The same root cause in the installed PL/pgSQL (lease functions on pglock's own
+    connections, where the *role's* exit_on_error applies): acquire() of an expired lease whose
+    old holder still guards it must return False at its timeout (docs/locks.md). The function's
+    ``EXCEPTION WHEN lock_not_available`` becomes FATAL: the connection dies, pglock sends the
+    statement once more on a new one, which dies the same way, and acquire() raises
+    psycopg.errors.LockNotAvailable."""
+    from psycopg.conninfo import make_conninfo
+
+    from pglock import _lease
+
+    name = _name()
+    plain = make_conninfo(installed, application_name=app_name)
+    eoe = make_conninfo(installed, application_name=app_name, options=EOE)
+    old = pglock.lease(plain, name, ttl=1, keepalive=False)
+    assert old.acquire()
+    guard = connect(autocommit=False)
+    outcome: Any = None
+    try:
+        with guard.transaction():
+            old.guard(guard)
+            time.sleep(1.2)  # expired, still guarded until this transaction ends
+            new = pglock.lease(eoe, name, ttl=5)
+            try:
+                outcome = new.acquire(timeout=0.5)
+            except Exception as exc:  # noqa: BLE001
+                outcome = exc
+        if outcome is True:
+            new.release()
+    finally:
+        _lease.shutdown()
+    assert outcome is False, f"acquire(timeout=0.5) behind a guard: {outcome!r}"
