@@ -31,7 +31,7 @@ def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
     def run() -> None:
         try:
             out["result"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - reported to the test
+        except BaseException as exc:
             out["error"] = exc
 
     t = threading.Thread(target=run, daemon=True)

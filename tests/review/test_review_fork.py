@@ -26,7 +26,7 @@ def _in_child(fn: Any) -> str:
         os.close(r)
         try:
             out = repr(fn())
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             out = type(exc).__name__
         os.write(w, json.dumps(out).encode())
         os._exit(0)
@@ -36,7 +36,9 @@ def _in_child(fn: Any) -> str:
         return json.loads(f.read())
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 11: reset_connection in a child releases the parent's locks")
+@pytest.mark.xfail(
+    strict=True, reason="review finding 11: reset_connection in a child releases the parent's locks"
+)
 def test_reset_connection_in_a_forked_child_releases_nothing_of_the_parent(
     installed: str, connect: Any
 ) -> None:
@@ -62,7 +64,9 @@ def test_reset_connection_in_a_forked_child_releases_nothing_of_the_parent(
     )
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 11: advisory_locks uses the parent's connection in a child")
+@pytest.mark.xfail(
+    strict=True, reason="review finding 11: advisory_locks uses the parent's connection in a child"
+)
 def test_advisory_locks_in_a_forked_child_refuses_the_parents_connection(
     installed: str, connect: Any
 ) -> None:

@@ -19,7 +19,9 @@ def _name() -> str:
     return f"review:{uuid.uuid4()}"
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 4: held_since of a lock whose session waits for another")
+@pytest.mark.xfail(
+    strict=True, reason="review finding 4: held_since of a lock whose session waits for another"
+)
 def test_held_for_of_a_lock_whose_session_now_waits_for_another(
     installed: str, connect: Any, capsys: Any
 ) -> None:
@@ -62,7 +64,9 @@ def test_held_for_of_a_lock_whose_session_now_waits_for_another(
     ), f"held_for={lock.held_for:.2f} basis={lock.held_since_basis}; status row: {row}"
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 4: held_since reset by a later statement naming the key")
+@pytest.mark.xfail(
+    strict=True, reason="review finding 4: held_since reset by a later statement naming the key"
+)
 def test_held_for_of_a_session_lock_after_a_transaction_lock_on_the_same_key(
     installed: str, connect: Any
 ) -> None:
@@ -85,7 +89,9 @@ def test_held_for_of_a_session_lock_after_a_transaction_lock_on_the_same_key(
     ), f"held_for={lock.held_for:.2f} basis={lock.held_since_basis}"
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 5: the registry's name is not checked against the key")
+@pytest.mark.xfail(
+    strict=True, reason="review finding 5: the registry's name is not checked against the key"
+)
 def test_a_name_in_the_registry_that_does_not_hash_to_its_key_is_not_shown(
     installed: str, connect: Any, capsys: Any
 ) -> None:

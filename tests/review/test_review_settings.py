@@ -16,7 +16,6 @@ Each ends the caller's session: every lock it held is gone while its handles sti
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 from typing import Any
@@ -89,7 +88,7 @@ def test_registry_in_a_read_only_transaction_under_exit_on_error_keeps_the_sessi
     try:
         with pglock.pg_lock(c, name):
             pass
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         error = exc
     alive = not c.closed
     if alive:
@@ -120,7 +119,7 @@ def test_xact_lock_registry_conflict_under_exit_on_error_keeps_the_session(
     error: BaseException | None = None
     try:
         pglock.xact_lock(p2, name, shared=True)  # shared: granted beside p1's
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         error = exc
     p1.rollback()
     alive = not p2.closed
@@ -181,7 +180,7 @@ def test_deadlock_victim_under_exit_on_error_keeps_its_session(
     error: BaseException | None = None
     try:
         pglock.pg_lock(b, x).acquire()  # b waits for x: b is the victim (shorter timeout)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         error = exc
     t.join(10)
     assert isinstance(error, pglock.DeadlockDetected), error
@@ -270,7 +269,7 @@ def test_a_lease_acquire_behind_a_guard_under_exit_on_error_returns_false(
             new = pglock.lease(eoe, name, ttl=5)
             try:
                 outcome = new.acquire(timeout=0.5)
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 outcome = exc
         if outcome is True:
             new.release()

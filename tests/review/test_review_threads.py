@@ -10,7 +10,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from _review import held_keys, in_thread, wait_until
+from _review import held_keys, in_thread
 
 import pglock
 
@@ -21,7 +21,9 @@ def _name() -> str:
     return f"review:{uuid.uuid4()}"
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 2: a waiter is never woken by a collected holder")
+@pytest.mark.xfail(
+    strict=True, reason="review finding 2: a waiter is never woken by a collected holder"
+)
 def test_a_thread_waiting_for_a_collected_handle_is_woken(installed: str, connect: Any) -> None:
     """docs/locks.md, Garbage collection: a PgLock collected while held "leaves no record that
     lies ... other threads of the connection no longer wait for it".
@@ -115,7 +117,9 @@ def _pipeline_race(c: psycopg.Connection[Any], action: Any) -> tuple[bool, dict[
     return t.is_alive(), out
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 3: pipeline mode entered by another thread hangs")
+@pytest.mark.xfail(
+    strict=True, reason="review finding 3: pipeline mode entered by another thread hangs"
+)
 def test_a_lock_statement_never_goes_into_another_threads_pipeline(
     installed: str, connect: Any, pg_dsn: str
 ) -> None:
@@ -133,7 +137,7 @@ def test_a_lock_statement_never_goes_into_another_threads_pipeline(
         with pglock.pg_lock(c, name):  # probe and registry done: the next lock is one statement
             pass
         lock = pglock.pg_lock(c, name)
-        blocked, out = _pipeline_race(c, lock.acquire)
+        blocked, _out = _pipeline_race(c, lock.acquire)
         c.close()  # frees both threads
         tries += 1
         if blocked:
@@ -142,7 +146,9 @@ def test_a_lock_statement_never_goes_into_another_threads_pipeline(
     assert hung == 0, f"pg_lock(...).acquire() hung in another thread's pipeline (try {tries})"
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 3: pipeline mode entered by another thread hangs")
+@pytest.mark.xfail(
+    strict=True, reason="review finding 3: pipeline mode entered by another thread hangs"
+)
 def test_a_release_never_goes_into_another_threads_pipeline(
     installed: str, connect: Any
 ) -> None:
@@ -156,7 +162,7 @@ def test_a_release_never_goes_into_another_threads_pipeline(
         assert lock.acquire()
         with pglock.pg_lock(c, _name()):  # the unlock statement is prepared already
             pass
-        blocked, out = _pipeline_race(c, lock.release)
+        blocked, _out = _pipeline_race(c, lock.release)
         c.close()
         tries += 1
         if blocked:
