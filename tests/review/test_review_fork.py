@@ -47,7 +47,9 @@ def test_reset_connection_in_a_forked_child_releases_nothing_of_the_parent(
     the parent is refused (InvalidConnectionState)". pg_lock, xact_lock and lease_info on such a
     connection are refused in the child; pglock.reset_connection(conn) is not: it runs
     pg_advisory_unlock_all() on the parent's session. The parent's handle still says locked;
-    its lock is gone from pg_locks (anyone may take it), and its release raises LockLost."""
+    its lock is gone from pg_locks and another session acquires it while the parent's live session
+carries on under its handle (two holders; the parent's writes are not fenced: its session is
+alive); the parent learns it only at release (LockLost)."""
     c = connect()
     name = f"review:{uuid.uuid4()}"
     lock = pglock.pg_lock(c, name)
@@ -55,12 +57,17 @@ def test_reset_connection_in_a_forked_child_releases_nothing_of_the_parent(
     child = _in_child(lambda: pglock.reset_connection(c))
     held = held_keys(installed, [pglock.key(name)])
     still_locked = lock.locked
+    other = pglock.pg_lock(connect(), name, timeout=0)
+    second = other.acquire()  # while the parent's handle (and session) carry on
+    if second:
+        other.release()
     try:
         lock.release()
     except pglock.LockLost:
         pass
     assert child == "InvalidConnectionState" or held, (
-        f"child: {child}; parent handle locked={still_locked}; pg_locks: {held}"
+        f"child: {child}; parent handle locked={still_locked}; pg_locks: {held}; "
+        f"another session acquired it meanwhile: {second}"
     )
 
 
