@@ -47,8 +47,11 @@ def cut_short(conn: psycopg.Connection[Any], state: ConnState, timeout: float | 
     (remember it: later waits override it)? Else it was a cancel, which stands."""
     if timeout is not None or state.session_timeouts or conn.closed or conn.broken:
         return False
+    quiet = Context(waits=False)  # (shielded, it would read its own overrides)
     try:
-        timeouts = _conn.truth(_conn.call(conn, _sql.SESSION_TIMEOUTS.encode()))
+        timeouts = _conn.truth(_conn.call(conn, _sql.SESSION_TIMEOUTS.encode(), (), quiet))
+    except psycopg.errors.QueryCanceled:
+        timeouts = True  # the session's statement_timeout cut this one too
     except (psycopg.Error, LockError):
         logger.debug("could not read the session's timeouts", exc_info=True)
         return False
@@ -137,6 +140,7 @@ class PgLock(BaseLock):
                 if waiters.closed(gen):
                     return False
                 state = _conn.state_for(self._target.conn)
+                me = threading.current_thread()
                 ok = acquire(
                     self._target, state, self._keys, self._names,
                     shared=self._shared, timeout=timeout, flight=flight,
@@ -144,11 +148,15 @@ class PgLock(BaseLock):
                 )
                 if ok:
                     # No calls between the grant and recording it: an interrupt cannot land here.
-                    self._owner = threading.current_thread()
+                    self._owner = me
                     self._state = state
-                return ok
         finally:
             waiters.leave()
+        if ok and waiters.closed(gen):
+            # Granted as close() ran: a woken acquire() holds nothing (docs/locks.md).
+            self.release()
+            return False
+        return ok
 
     def release(self) -> None:
         """Release the lock.
@@ -186,6 +194,11 @@ class PgLock(BaseLock):
         state, owner = getattr(self, "_state", None), getattr(self, "_owner", None)
         if state is not None and owner is not None:
             state.collected.append((self._keys, owner))
+            if state.lock.acquire(blocking=False):  # never waits: threads waiting look now
+                try:
+                    state.cond.notify_all()
+                finally:
+                    state.lock.release()
 
     def _wake(self) -> None:
         state = _conn.state_for(self._target.conn)
@@ -285,7 +298,7 @@ def housekeeping(conn: psycopg.Connection[Any], state: ConnState, ctx: Context) 
     if state.deferred:
         pending, state.deferred = state.deferred, []
         for k, shared in pending:
-            _conn.call(conn, _sql.UNLOCK_ONE[shared], (k,))
+            _conn.call(conn, _sql.UNLOCK_ONE[shared], (k,), shield=state.session_timeouts)
         logger.info("released %d deferred advisory lock(s)", len(pending))
     if not state.probed:
         _conn.probe(conn, state, ctx)
@@ -377,7 +390,8 @@ def _session_attempt(
         return _pooled_session_lock(conn, state, status, keys, ctx, shared=shared, timeout=timeout)
     try_ = timeout == 0
     registering = _registry.pending(
-        conn, state, ctx.keys, ctx.names, own_transaction=status != INTRANS
+        conn, state, ctx.keys, ctx.names, own_transaction=status != INTRANS,
+        skip=status == INTRANS and state.session_timeouts,
     )
     stmt = _session_batch(
         conn, status, keys, shared=shared, try_=try_, limit=wait_limit(timeout, state),
@@ -431,7 +445,8 @@ def _pooled_session_lock(
     mark = _conn.client_mark(conn)
     query, params = _sql.POOLED_LOCK[(shared, try_)], (keys, state.backend_pid, mark)
     registering = _registry.pending(
-        conn, state, ctx.keys, ctx.names, own_transaction=status != INTRANS
+        conn, state, ctx.keys, ctx.names, own_transaction=status != INTRANS,
+        skip=status == INTRANS and state.session_timeouts,
     )
     stmt = _session_batch(
         conn, status, keys, shared=shared, try_=try_, limit=wait_limit(timeout, state),
@@ -516,7 +531,7 @@ def _all_or_nothing(
         unlock = _sql.unlock(got, shared=shared) if pooled is None else _pooled_unlock_sql(
             *pooled, got, shared
         )
-        _conn.call(conn, unlock.as_bytes(conn))
+        _conn.call(conn, unlock.as_bytes(conn), shield=True)
     return False
 
 
@@ -568,7 +583,11 @@ def _after_failed_session_lock(
             # in pglock's own transaction (an interrupt: _conn.call could not end it).
             end = _sql.rollback_to_savepoint() if status == INTRANS else sql.SQL("ROLLBACK")
             _conn.run(conn, end, Context(expect=INERROR))
-        undone = _conn.call(conn, _sql.unlock_if_held(keys, shared=shared).as_bytes(conn))
+        # Shielded: the session's own statement_timeout, which may have cut the attempt, must
+        # not cut its clean-up too (the keys granted so far would stay held).
+        undone = _conn.call(
+            conn, _sql.unlock_if_held(keys, shared=shared).as_bytes(conn), shield=True
+        )
         if undone.ntuples:
             logger.debug("undid %d lock(s) granted to a failed attempt", undone.ntuples)
     except (psycopg.Error, LockError, _conn.StatusChanged):
@@ -616,37 +635,27 @@ def _session_unlock(
         )
         return
 
-    prepared = state.prepared
-    # Taken through a pooler with the sharing checks: the unlock checks too.
-    mark = _conn.client_mark(conn, create=False) if state.pooler else 0
-
-    def unlock_all() -> bool:
-        ok = True
-        for shared, keys in by_mode.items():
-            if mark:
-                assert state.backend_pid is not None
-                pid, found, held = _pooled_row(_conn.call(
-                    conn, _sql.POOLED_UNLOCK[shared], (keys, state.backend_pid, mark)
-                ))
-                if held is None:
-                    raise LockLost.for_names(names, sharing_observed(state, pid, found))
-                ok = held and ok
-                continue
-            if len(keys) == 1:
-                res = _conn.call(conn, _sql.UNLOCK_ONE[shared], (keys[0],), prepared=prepared)
-            else:
-                res = _conn.call(conn, _sql.UNLOCK_MANY[shared], (keys,), prepared=prepared)
-            ok = _conn.truth(res) and ok
-        return ok
-
+    left = dict(by_mode)
     try:
-        ok = unlock_all()
+        try:
+            ok = _unlock(conn, state, left, names, state.session_timeouts)
+        except LockNotAcquired:
+            # The session's own statement_timeout or lock_timeout cut the unlock: once more,
+            # shielded from them (and from now on).
+            state.session_timeouts = True
+            ok = _unlock(conn, state, left, names, True)
     except psycopg.OperationalError as exc:
         if conn.closed or conn.broken:
             raise LockLost.for_names(
                 names, f"the connection broke ({exc.sqlstate or exc})"
             ) from exc
         raise
+    except InvalidConnectionState:
+        # Another thread put the connection in pipeline mode meanwhile: as for a failed
+        # transaction, the unlock waits for pglock's next use of the connection.
+        state.deferred.extend((k, shared) for shared, keys in left.items() for k in keys)
+        logger.warning("lock %r stays held until pglock next uses its connection", names)
+        return
     if not ok:
         raise LockLost.for_names(
             names,
@@ -655,3 +664,27 @@ def _session_unlock(
         )
 
 
+def _unlock(
+    conn: psycopg.Connection[Any], state: ConnState, left: dict[bool, list[int]],
+    names: list[str], shield: bool,
+) -> bool:
+    """Unlock the keys of ``left`` by mode (each mode dropped from it once sent); True when
+    every key was held. Through a pooler with the sharing checks, the unlock checks too."""
+    mark = _conn.client_mark(conn, create=False) if state.pooler else 0
+    ok = True
+    for shared, keys in list(left.items()):
+        if mark:
+            assert state.backend_pid is not None
+            pid, found, held = _pooled_row(_conn.call(
+                conn, _sql.POOLED_UNLOCK[shared], (keys, state.backend_pid, mark), shield=shield,
+            ))
+            if held is None:
+                raise LockLost.for_names(names, sharing_observed(state, pid, found))
+            ok = held and ok
+        else:
+            query = _sql.UNLOCK_ONE[shared] if len(keys) == 1 else _sql.UNLOCK_MANY[shared]
+            params = (keys[0],) if len(keys) == 1 else (keys,)
+            res = _conn.call(conn, query, params, prepared=state.prepared, shield=shield)
+            ok = _conn.truth(res) and ok
+        del left[shared]
+    return ok

@@ -6,6 +6,7 @@ is pglock's per-connection bookkeeping (in a weak registry).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -216,7 +217,9 @@ def utf8(conn: psycopg.Connection[Any], *, begin: bool = False) -> Iterator[None
 
 
 def _expected(conn: psycopg.Connection[Any], expect: int | None) -> int:
-    """Under the connection's lock: its transaction status, if it is ``expect`` (or any)."""
+    """Under the connection's lock: its transaction status, if it is ``expect`` (or any); a
+    connection another thread put in pipeline mode meanwhile is refused."""
+    no_pipeline(conn)
     status: int = conn.pgconn.transaction_status
     if expect is not None and status != expect:
         raise StatusChanged
@@ -454,7 +457,7 @@ def direct(conn: psycopg.Connection[Any]) -> bool:
 def call(
     conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param] = (),
     ctx: Context | None = None, *, begin: bool = False, prepared: set[bytes] | None = None,
-    every: bool = False,
+    every: bool = False, shield: bool = False,
 ) -> Any:
     """Send one fixed statement of :mod:`pglock._sql` (``$n`` placeholders, bigint or bigint[]
     parameters), or several ``;``-joined statements (a batch, no parameters), through libpq:
@@ -464,7 +467,9 @@ def call(
     literals. Errors are translated as :func:`run_all` does. ``begin``: the statement belongs
     in the caller's transaction, begun first on an idle non-autocommit connection.
     ``prepared``: the names of the statements prepared on the connection (ConnState.prepared):
-    outside a transaction the statement is prepared once and then executed by name.
+    outside a transaction the statement is prepared once and then executed by name (unless
+    the owner set ``prepare_threshold=None``). ``shield``: one statement the session's own
+    timeouts and exit_on_error must not cut (:func:`pglock._sql.shielded`).
 
     Whatever the connection's status was when the statement was built, it is read again under
     the connection's lock (``ctx.expect``); and a statement sent outside any transaction that
@@ -474,7 +479,7 @@ def call(
     ctx = ctx or _NO_CONTEXT
 
     def send() -> Any:
-        return _call(conn, query, params, ctx, begin, prepared, every)
+        return _call(conn, query, params, ctx, begin, prepared, every, shield)
 
     try:
         if ctx.deadline is None:
@@ -502,30 +507,16 @@ def _literals(query: bytes, params: Sequence[Param]) -> bytes:
 
 def _call(
     conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param], ctx: Context,
-    begin: bool, prepared: set[bytes] | None, every: bool,
+    begin: bool, prepared: set[bytes] | None, every: bool, shield: bool,
 ) -> Any:
-    pgconn = conn.pgconn
+    if conn.prepare_threshold is None:
+        prepared = None  # the owner's choice (a pooler that keeps no prepared statement)
 
     def exchange() -> list[PGresult]:
-        _check_sendable(pgconn)
+        _check_sendable(conn.pgconn)
         status = _expected(conn, ctx.expect)
         try:
-            if begin and status == IDLE and not conn.autocommit:
-                pgconn.send_query(b"BEGIN; " + _literals(query, params))
-            elif not params or not direct(conn):
-                pgconn.send_query(_literals(query, params))
-            else:
-                values = [
-                    _INT8(p) if isinstance(p, int) else b"{%s}" % b",".join(b"%d" % k for k in p)
-                    for p in params
-                ]
-                types = [_INT8_OID if isinstance(p, int) else _INT8_ARRAY_OID for p in params]
-                formats = [_BINARY if isinstance(p, int) else _TEXT for p in params]
-                if prepared is None or status != IDLE:
-                    pgconn.send_query_params(query, values, types, formats, _BINARY)
-                else:
-                    return _send_prepared(conn, query, values, types, formats, prepared)
-            return conn.wait(generators.execute(pgconn))
+            return _send(conn, query, params, status, begin, prepared, shield)
         finally:
             if status == IDLE and not begin:
                 _end(conn, ok=False)  # a batch failed (or was interrupted) before its COMMIT
@@ -546,6 +537,32 @@ def _call(
     if not found:
         raise psycopg.ProgrammingError(f"no rows from {query!r}")
     return found if every else found[-1]
+
+
+def _send(
+    conn: psycopg.Connection[Any], query: bytes, params: Sequence[Param], status: int,
+    begin: bool, prepared: set[bytes] | None, shield: bool,
+) -> list[PGresult]:
+    """Under the connection's lock: send what :func:`call` asked for, read its results."""
+    pgconn = conn.pgconn
+    if shield:
+        pgconn.send_query(_sql.shielded(_literals(query, params), status != IDLE))
+    elif begin and status == IDLE and not conn.autocommit:
+        pgconn.send_query(b"BEGIN; " + _literals(query, params))
+    elif not params or not direct(conn):
+        pgconn.send_query(_literals(query, params))
+    else:
+        values = [
+            _INT8(p) if isinstance(p, int) else b"{%s}" % b",".join(b"%d" % k for k in p)
+            for p in params
+        ]
+        types = [_INT8_OID if isinstance(p, int) else _INT8_ARRAY_OID for p in params]
+        formats = [_BINARY if isinstance(p, int) else _TEXT for p in params]
+        if prepared is None or status != IDLE:
+            pgconn.send_query_params(query, values, types, formats, _BINARY)
+        else:
+            return _send_prepared(conn, query, values, types, formats, prepared)
+    return conn.wait(generators.execute(pgconn))
 
 
 def _send_prepared(
@@ -811,11 +828,22 @@ def forget(conn: psycopg.Connection[Any], *, lost: str | None = None) -> ConnSta
 def probe(conn: psycopg.Connection[Any], state: ConnState, ctx: Context | None = None) -> None:
     """Once per connection (in the caller's transaction, if one is open): refuse a hot standby,
     note the pid."""
-    # Never in a transaction of its own (BEGIN): statement pooling ends the client that opens
-    # one, so the probe could not even report the pooler (docs/pgbouncer.md).
-    res = call(conn, _sql.PROBE.as_bytes(conn), (), ctx)
+    # Outside a transaction, not in one of its own (BEGIN) at first: statement pooling ends the
+    # client that opens one, so the probe could not even report the pooler (docs/pgbouncer.md).
+    # In the caller's transaction, and once the session's own statement_timeout cut it, shielded.
+    # (A shielded probe reads its own overrides: the session's timeouts show when they cut a
+    # wait short; one that cut the probe is known already.)
+    quiet = dataclasses.replace(ctx or _NO_CONTEXT, waits=False)
+    query = _sql.PROBE.as_bytes(conn)
+    cut = False
+    try:
+        res = call(conn, query, (), quiet, shield=conn.pgconn.transaction_status != IDLE)
+    except pg_errors.QueryCanceled:
+        if conn.pgconn.transaction_status != IDLE:
+            raise
+        res, cut = call(conn, query, (), quiet, shield=True), True
     registry_value = res.get_value(0, 2)
-    in_recovery, pid, timeouts = truth(res), bigint(res, 0, 1), truth(res, 0, 3)
+    in_recovery, pid, timeouts = truth(res), bigint(res, 0, 1), truth(res, 0, 3) or cut
     registry = None if registry_value is None else registry_value.decode()
     if in_recovery:
         raise UnsupportedServer(

@@ -14,6 +14,9 @@ from ._conn import IDLE, ConnState, KeyHold, XactHold
 from ._keys import remaining
 from .errors import InvalidConnectionState, LockError
 
+#: The longest a thread waits in the process without looking for collected holds (seconds).
+_COLLECTED_POLL = 1.0
+
 #: The outcome of a transaction-lock statement ended by an unexpected error or an interrupt.
 UNKNOWN: Any = object()
 
@@ -55,8 +58,8 @@ def reserve(
     from Postgres, or None at the deadline or once ``stop()``."""
     me = threading.current_thread()
     mode = "s" if shared else "x"
-    _drop_collected(state)
     with state.lock:
+        _drop_collected(state)
         if not state.holds and not state.xact:  # the common case: nothing else on the session
             for k in keys:
                 state.holds[k] = KeyHold(mode, {me: 1}, pending=True)
@@ -69,11 +72,7 @@ def reserve(
             left = remaining(deadline)
             if left == 0.0 or stop():
                 return None
-            state.sleepers += 1
-            try:
-                state.cond.wait(left)
-            finally:
-                state.sleepers -= 1
+            _sleep(state, left)
         need: list[int] = []
         for k in keys:
             hold = state.holds.get(k)
@@ -89,29 +88,48 @@ def unreserve(state: ConnState, keys: Sequence[int], me: threading.Thread) -> li
     """Drop one count of ``me`` from ``keys``; return the keys no thread holds any more (pending
     until :func:`settle`, so other threads wait)."""
     with state.lock:
-        emptied: list[int] = []
-        for k in keys:
-            hold = state.holds.get(k)
-            if hold is None:
-                continue
-            left = hold.owners.get(me, 0) - 1
-            if left > 0:
-                hold.owners[me] = left
-            else:
-                hold.owners.pop(me, None)
-            if not hold.owners:
-                hold.pending = True
-                emptied.append(k)
-        return emptied
+        return _unreserve(state, keys, me)
+
+
+def _unreserve(state: ConnState, keys: Sequence[int], me: threading.Thread) -> list[int]:
+    emptied: list[int] = []
+    for k in keys:
+        hold = state.holds.get(k)
+        if hold is None:
+            continue
+        left = hold.owners.get(me, 0) - 1
+        if left > 0:
+            hold.owners[me] = left
+        else:
+            hold.owners.pop(me, None)
+        if not hold.owners:
+            hold.pending = True
+            emptied.append(k)
+    return emptied
 
 
 def _drop_collected(state: ConnState) -> None:
-    """Drop the holds of handles collected unreleased: unlocks sent with the next statement."""
+    """Under ``state.lock``: drop the holds of handles collected unreleased; their unlocks go
+    with pglock's next statement on the connection (ConnState.deferred)."""
     while state.collected:
         keys, owner = state.collected.pop()
-        emptied = unreserve(state, keys, owner)
+        emptied = _unreserve(state, keys, owner)
         state.deferred.extend((k, state.holds[k].mode == "s") for k in emptied)
-        settle(state, (), emptied)
+        for k in emptied:
+            state.holds.pop(k, None)
+    if state.sleepers:
+        state.cond.notify_all()
+
+
+def _sleep(state: ConnState, left: float | None) -> None:
+    """Under ``state.lock``: wait for a change, a second at most: a handle collected meanwhile
+    (PgLock.__del__, which may not wait for this lock) frees what it held."""
+    state.sleepers += 1
+    try:
+        state.cond.wait(_COLLECTED_POLL if left is None else min(left, _COLLECTED_POLL))
+    finally:
+        state.sleepers -= 1
+    _drop_collected(state)
 
 
 def settle(state: ConnState, granted: Sequence[int], dropped: Sequence[int]) -> None:
@@ -162,17 +180,13 @@ def xact_reserve(
     """
     me = threading.current_thread()
     mode = "s" if shared else "x"
-    _drop_collected(state)
     with state.lock:
+        _drop_collected(state)
         while state.holds and _session_conflict(state, keys, me, mode):
             left = remaining(deadline)
             if left == 0.0:
                 return None
-            state.sleepers += 1
-            try:
-                state.cond.wait(left)
-            finally:
-                state.sleepers -= 1
+            _sleep(state, left)
         if state.xact:
             xact_conflicts(conn, state, keys, names, checked)
         prior = {k: state.xact.get(k) for k in keys}

@@ -13,7 +13,7 @@ import psycopg
 
 from . import _conn, _sql
 from ._contract import DEFAULT_SCHEMA, validate_schema
-from ._keys import normalize_names, validate_name
+from ._keys import _key, normalize_names, validate_name
 from .errors import SchemaNotInstalled
 
 __all__ = ["AdvisoryLock", "SemaphoreHolder", "SemaphoreInfo", "advisory_locks", "semaphores"]
@@ -21,7 +21,9 @@ __all__ = ["AdvisoryLock", "SemaphoreHolder", "SemaphoreInfo", "advisory_locks",
 _MODES = {"ExclusiveLock": "exclusive", "ShareLock": "shared"}
 
 # A call of any advisory-lock function (pglock's statements and hand-written ones).
-_LOCK_CALL = re.compile(r"pg_(?:try_)?advisory_(?:xact_)?lock(?:_shared)?\"?\s*\(", re.IGNORECASE)
+# Session-level lock calls only: a transaction-level call may re-take a lock the session
+# already held (one pg_locks row for both), so it does not date the lock.
+_LOCK_CALL = re.compile(r"pg_(?:try_)?advisory_lock(?:_shared)?\"?\s*\(", re.IGNORECASE)
 # pglock's fast path: a blocking lock call with the key as a parameter (granted, but which key?).
 _PARAM_LOCK = re.compile(
     r"pg_advisory_(?:xact_)?lock(?:_shared)?\"?\s*\(\s*\$1\s*\)", re.IGNORECASE
@@ -158,22 +160,25 @@ def _key_in_query(query: str | None, key: int) -> bool:
 
 
 def _latest_statement_took(
-    query: str | None, key: int | None, pair: tuple[int, int] | None, held_by_pid: int
+    query: str | None, key: int | None, pair: tuple[int, int] | None, held_by_pid: int,
+    waiting: bool,
 ) -> bool:
-    """Did the session's latest statement grant this lock? Yes when it calls an advisory-lock
-    function with this key written in it, or is a blocking lock call with the key as a
-    parameter (pglock's fast path) and this is the session's only advisory lock."""
+    """Did the session's latest statement grant this lock? Yes when it calls a session-level
+    advisory-lock function with this key written in it, or is a blocking lock call with the key
+    as a parameter (pglock's fast path), this is the session's only advisory lock, and the call
+    is not still waiting (then it waits for another lock: it granted none)."""
     if key is not None and _key_in_query(query, key):
         return True
     if pair is not None and _key_in_query(query, pair[0]) and _key_in_query(query, pair[1]):
         return True
-    return held_by_pid == 1 and query is not None and _PARAM_LOCK.search(query) is not None
+    fast = query is not None and _PARAM_LOCK.search(query) is not None
+    return held_by_pid == 1 and fast and not waiting
 
 
 def _advisory_lock(row: tuple[Any, ...]) -> AdvisoryLock:
     (
         objsubid, classid, objid, name, mode, granted, pid, app, addr, port, user,
-        backend_start, xact_start, query_start, state_change, state, _wait_event_type,
+        backend_start, xact_start, query_start, state_change, state, wait_event_type,
         query, waitstart, blocking, now, held_by_pid,
     ) = row
     key = _int4(classid) * (1 << 32) + objid if objsubid == 1 else None
@@ -181,13 +186,17 @@ def _advisory_lock(row: tuple[Any, ...]) -> AdvisoryLock:
     held_since: datetime | None = None
     basis: Literal["statement", "session"] | None = None
     if granted:
-        took = _latest_statement_took(query, key, pair, held_by_pid)
+        took = _latest_statement_took(
+            query, key, pair, held_by_pid, waiting=wait_event_type == "Lock"
+        )
         if took and state == "active" and query_start is not None:
             held_since, basis = query_start, "statement"
         elif took and state is not None and state.startswith("idle") and state_change:
             held_since, basis = state_change, "statement"
         elif backend_start is not None:
             held_since, basis = backend_start, "session"
+    if name is not None and (key is None or _key(name) != key):
+        name = None  # a registry row (another role's, a bug's) that is not this lock's name
     return AdvisoryLock(
         name=name, key=key, key_pair=pair, mode=_MODES.get(mode, mode), granted=granted, pid=pid,
         application_name=app, client_addr=addr, client_port=port, user=user,

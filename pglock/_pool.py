@@ -215,7 +215,7 @@ class PoolLock(BaseLock):
         self._given = source
         self._mutex = threading.Lock()
         self._busy = False  # an acquire() is running
-        self._waiting: Any = None  # the connection its lock statement runs on (close cancels)
+        self._waiting: PgLock | None = None  # the lock its acquire waits in (close wakes it)
         self._miss: tuple[str, BaseException] | None = None  # why the checkout gave up
         self._source: Any = None
         self._conn: Any = None  # what the body gets
@@ -298,10 +298,10 @@ class PoolLock(BaseLock):
         conn = self._checkout_psycopg(source, timeout) if pooled else source.connect()
         if conn is None:
             return False
-        with self._mutex:
-            self._waiting = conn
         try:
             lock = PgLock(conn, self.names, shared=self._shared, pooler=self._pooler)
+            with self._mutex:
+                self._waiting = lock
             ok = not closed() and lock.acquire(timeout=_remaining(deadline))
         except BaseException as exc:
             # A lock attempt that failed on its own terms left nothing held; anything else
@@ -333,19 +333,19 @@ class PoolLock(BaseLock):
             return None
 
     def _wake(self) -> None:
-        # A cancel that reaches the server before the lock statement does is ignored: send
-        # it again until the waiter has left the statement (a few tries at most).
+        # The inner pg_lock's close() cancels its statement only while it is in flight (never
+        # the next borrower's); closed before its wait began, it is closed again until the
+        # waiter has left (a few tries at most).
         pause, given_up = 0.01, time.monotonic() + 10
         while time.monotonic() < given_up:
             with self._mutex:
-                conn, kind = self._waiting, self._kind
-            raw = None if conn is None or kind is None else _raw(kind, conn)
-            if raw is None:
+                lock = self._waiting
+            if lock is None:
                 return
             try:
-                raw.cancel_safe(timeout=2.0)
+                lock.close()
             except Exception:
-                logger.debug("cancelling a pool_lock wait failed", exc_info=True)
+                logger.debug("waking a pool_lock wait failed", exc_info=True)
             time.sleep(pause)
             pause = min(pause * 2, 0.2)
 

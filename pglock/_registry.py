@@ -64,12 +64,15 @@ def pending(
     names: Sequence[str],
     *,
     own_transaction: bool = False,
+    skip: bool = False,
 ) -> Registration:
     """The ``(key, name)`` pairs this process has not registered yet in ``conn``'s database
     (none without a writable registry); ``own_transaction``: pglock commits the statement's
-    transaction itself, so the registration may skip waiting for the WAL flush."""
+    transaction itself, so the registration may skip waiting for the WAL flush. ``skip``: none
+    now (in the caller's transaction on a session whose own timeouts could cut it and abort
+    that transaction; a later statement of pglock's own sends them)."""
     schema = state.registry
-    if schema is None:
+    if schema is None or skip:
         return _NOTHING
     db = state.database or _database(conn)
     with _lock:

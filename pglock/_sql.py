@@ -19,6 +19,20 @@ SAVEPOINT_NAME = sql.Identifier("_pglock_acquire")
 #: A transaction of pglock's own on a caller's connection: its isolation whatever the session's.
 OWN_BEGIN = sql.SQL("BEGIN ISOLATION LEVEL READ COMMITTED, READ WRITE")
 
+_SHIELD = b"SET LOCAL statement_timeout = 0; SET LOCAL lock_timeout = 0; " \
+    b"SET LOCAL exit_on_error = off; "
+
+
+def shielded(stmt: bytes, in_transaction: bool) -> bytes:
+    """``stmt`` (one statement without parameters) where the session's own statement_timeout,
+    lock_timeout and exit_on_error can neither cut it nor end the session: in a transaction of
+    pglock's own, or under pglock's savepoint in the caller's, rolled back to afterwards (a
+    session lock or unlock survives that)."""
+    if in_transaction:
+        return (b'SAVEPOINT "_pglock_acquire"; ' + _SHIELD + stmt
+                + b'; ROLLBACK TO SAVEPOINT "_pglock_acquire"; RELEASE SAVEPOINT "_pglock_acquire"')
+    return OWN_BEGIN.as_bytes(None) + b"; " + _SHIELD + stmt + b"; COMMIT"
+
 # (transaction-level, shared, try) -> Postgres function
 _LOCK_FUNCS = {
     (False, False, False): "pg_advisory_lock",
@@ -121,11 +135,14 @@ def xact_one(key: int, *, shared: bool, try_: bool) -> bytes:  # for pglock._con
 
 
 #: Does the session bound statements or lock waits of its own (``statement_timeout`` or
-#: ``lock_timeout`` not 0, from ``ALTER ROLE ... SET``, the DSN's options or a ``SET``)? Then a
-#: wait meant to last until acquired overrides them for pglock's statement (see _advisory).
+#: ``lock_timeout`` not 0, from ``ALTER ROLE ... SET``, the DSN's options or a ``SET``), or end
+#: itself at any error (``exit_on_error``: a cancel by close() or a deadlock would end it, with
+#: every lock)? Then a wait meant to last until acquired overrides them for pglock's statement
+#: (see _advisory).
 SESSION_TIMEOUTS = (
     "SELECT pg_catalog.current_setting('lock_timeout') OPERATOR(pg_catalog.<>) '0'"
     " OR pg_catalog.current_setting('statement_timeout') OPERATOR(pg_catalog.<>) '0'"
+    " OR pg_catalog.current_setting('exit_on_error') OPERATOR(pg_catalog.=) 'on'"
 )
 
 # Once per connection. The lock APIs take no schema: they register names in the default schema's.

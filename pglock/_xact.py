@@ -122,7 +122,7 @@ def _statement(
     """Send the transaction-lock statement: the transaction's start when granted, None when not
     acquired in time, ``AGAIN`` to send it again (see :func:`_run`)."""
     try_ = timeout == 0
-    registering = _registry.pending(conn, state, keys, names)
+    registering = _registry.pending(conn, state, keys, names, skip=state.session_timeouts)
     limit = wait_limit(timeout, state)
     if limit is None and len(keys) == 1 and not registering:
         # The common case, in one pre-rendered round trip (see _sql.xact_one).

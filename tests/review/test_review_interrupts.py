@@ -21,9 +21,6 @@ def _name() -> str:
     return f"review:{uuid.uuid4()}"
 
 
-@pytest.mark.xfail(
-    strict=True, reason="review finding 8: a KeyboardInterrupt right after the grant leaks the lock"
-)
 def test_an_interrupt_right_after_the_grant_leaves_nothing_held(
     installed: str, connect: Any
 ) -> None:
@@ -66,9 +63,6 @@ def test_an_interrupt_right_after_the_grant_leaves_nothing_held(
     assert after_interrupt == [] and after_cycle == [], (after_interrupt, after_cycle)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="review finding 9: close() returns True for a grant that came after it"
-)
 def test_a_grant_that_arrives_after_close_is_given_back(
     installed: str, connect: Any, app_name: str
 ) -> None:

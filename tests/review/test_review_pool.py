@@ -22,9 +22,6 @@ def _name() -> str:
     return f"review:{uuid.uuid4()}"
 
 
-@pytest.mark.xfail(
-    strict=True, reason="review finding 7: PoolLock.close() cancels the next borrower's statement"
-)
 def test_pool_lock_close_never_cancels_the_next_borrowers_statement(
     installed: str, connect: Any, app_name: str
 ) -> None:

@@ -13,9 +13,6 @@ import pglock
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.mark.xfail(
-    strict=True, reason="review finding 6: prepare_threshold=None is ignored by lock statements"
-)
 def test_prepare_threshold_none_gets_no_named_statement(installed: str, connect: Any) -> None:
     """With prepare_threshold=None (what psycopg documents for PgBouncer < 1.21 and other
     proxies that do not keep prepared statements) the lease statements are sent unnamed, but the

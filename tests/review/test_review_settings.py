@@ -37,7 +37,6 @@ def _name() -> str:
     return f"review:{uuid.uuid4()}"
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING_1)
 def test_registry_insert_conflict_under_exit_on_error_keeps_the_session(
     installed: str, connect: Any
 ) -> None:
@@ -70,7 +69,6 @@ def test_registry_insert_conflict_under_exit_on_error_keeps_the_session(
     assert state[0] is False, f"pglock ended the session (closed, keep.locked, pg_locks): {state}"
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING_1)
 def test_registry_in_a_read_only_transaction_under_exit_on_error_keeps_the_session(
     installed: str, connect: Any
 ) -> None:
@@ -100,7 +98,6 @@ def test_registry_in_a_read_only_transaction_under_exit_on_error_keeps_the_sessi
     )
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING_1)
 def test_xact_lock_registry_conflict_under_exit_on_error_keeps_the_session(
     installed: str, connect: Any
 ) -> None:
@@ -129,7 +126,6 @@ def test_xact_lock_registry_conflict_under_exit_on_error_keeps_the_session(
     assert alive and error is None, f"xact_lock raised {error!r}; session closed={p2.closed}"
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING_1)
 def test_close_of_a_wait_under_exit_on_error_keeps_what_is_held(
     installed: str, connect: Any
 ) -> None:
@@ -159,7 +155,6 @@ def test_close_of_a_wait_under_exit_on_error_keeps_what_is_held(
     assert state[1] is False, f"close() ended the session: {state}"
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING_1)
 def test_deadlock_victim_under_exit_on_error_keeps_its_session(
     installed: str, connect: Any
 ) -> None:
@@ -198,7 +193,6 @@ def test_deadlock_victim_under_exit_on_error_keeps_its_session(
 FINDING_10 = "review finding 10: the session's statement_timeout cuts pglock's own statements"
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING_10)
 def test_a_short_statement_timeout_does_not_fail_a_wait_without_timeout(
     installed: str, connect: Any
 ) -> None:
@@ -214,7 +208,6 @@ def test_a_short_statement_timeout_does_not_fail_a_wait_without_timeout(
         assert held_keys(installed, [pglock.key(name)])
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING_10)
 def test_a_statement_timeout_set_later_leaves_nothing_held_after_release(
     installed: str, connect: Any
 ) -> None:
@@ -241,7 +234,6 @@ def test_a_statement_timeout_set_later_leaves_nothing_held_after_release(
     assert left == [], f"{len(left)} of {len(keys)} keys still held after release()"
 
 
-@pytest.mark.xfail(strict=True, reason=FINDING_1)
 def test_a_lease_acquire_behind_a_guard_under_exit_on_error_returns_false(
     installed: str, connect: Any, app_name: str
 ) -> None:
