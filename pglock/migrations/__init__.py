@@ -13,7 +13,7 @@ from typing import Any
 
 from psycopg import sql
 
-from .._contract import DEFAULT_SCHEMA, SCHEMA_OPEN, validate_schema
+from .._contract import DEFAULT_SCHEMA, SCHEMA_OPEN, install_lock_key, validate_schema
 
 #: The directory to add to Alembic's ``version_locations``.
 VERSIONS_DIR = str(Path(__file__).resolve().parent / "versions")
@@ -152,17 +152,23 @@ _Statements = Callable[[str], list[sql.Composed]]
 
 
 def revision_functions(
-    stem: str, names: Callable[[str], Mapping[str, sql.Composable]]
+    stem: str, revision: str, names: Callable[[str], Mapping[str, sql.Composable]] = lambda s: {}
 ) -> tuple[_Statements, _Statements, Callable[[], None], Callable[[], None]]:
     """A revision's ``upgrade_statements``, ``downgrade_statements`` (for a schema, run in one
     transaction), ``upgrade`` and ``downgrade`` (Alembic's), from ``pglock/sql/<stem>.*.sql``
-    with the placeholders ``names(schema)`` fills."""
+    with the placeholders every revision has (``s``: the schema, ``rev``: the revision, ``lock``:
+    the install lock's key) and those ``names(schema)`` adds."""
+
+    def _all(schema: str) -> dict[str, sql.Composable]:
+        common = {"s": sql.Identifier(schema), "rev": sql.Literal(revision),
+                  "lock": sql.Literal(install_lock_key(schema))}
+        return {**common, **names(schema)}
 
     def upgrade_statements(schema: str) -> list[sql.Composed]:
-        return statements(f"{stem}.up", names(schema))
+        return statements(f"{stem}.up", _all(schema))
 
     def downgrade_statements(schema: str) -> list[sql.Composed]:
-        return statements(f"{stem}.down", names(schema))
+        return statements(f"{stem}.down", _all(schema))
 
     def upgrade() -> None:
         alembic_execute(upgrade_statements(alembic_schema()))

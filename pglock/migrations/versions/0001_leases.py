@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from psycopg import sql
 
-from pglock._contract import MAX_TTL, install_lock_key, lease_channel
+from pglock._contract import MAX_TTL, lease_channel
 from pglock.migrations import revision_functions, sql_text
 
 revision = "pglock_0001"
@@ -19,12 +19,9 @@ depends_on = None
 def _names(schema: str) -> dict[str, sql.Composable]:
     s = sql.Identifier(schema)
     return {
-        "s": s,
         # Regclass literal of the sequence, resolved once per cached plan.
         "seq": sql.Literal(f"{s.as_string(None)}.lease_token"),
         "channel": sql.Literal(lease_channel(schema)),
-        "rev": sql.Literal(revision),
-        "lock": sql.Literal(install_lock_key(schema)),
         "max_ttl": sql.Literal(MAX_TTL),
         # The downgrade's refusal to drop live leases (dynamic SQL: the table may be gone).
         "lease_table": sql.Literal(f"{s.as_string(None)}.lease"),
@@ -37,5 +34,5 @@ def _names(schema: str) -> dict[str, sql.Composable]:
 
 
 upgrade_statements, downgrade_statements, upgrade, downgrade = revision_functions(
-    "0001_leases", _names
+    "0001_leases", revision, _names
 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from psycopg import sql
 
-from pglock._contract import LIMIT_MISMATCH, MAX_TTL, install_lock_key, semaphore_channel
+from pglock._contract import LIMIT_MISMATCH, MAX_TTL, semaphore_channel
 from pglock.migrations import revision_functions, sql_text
 
 revision = "pglock_0002"
@@ -19,10 +19,7 @@ depends_on = None
 def _names(schema: str) -> dict[str, sql.Composable]:
     s = sql.Identifier(schema)
     return {
-        "s": s,
         "channel": sql.Literal(semaphore_channel(schema)),
-        "rev": sql.Literal(revision),
-        "lock": sql.Literal(install_lock_key(schema)),
         "max_ttl": sql.Literal(MAX_TTL),
         "mismatch": sql.Literal(LIMIT_MISMATCH),
         # The downgrade's refusal to drop live permits (dynamic SQL: the table may be gone).
@@ -39,5 +36,5 @@ def _names(schema: str) -> dict[str, sql.Composable]:
 
 
 upgrade_statements, downgrade_statements, upgrade, downgrade = revision_functions(
-    "0002_semaphores", _names
+    "0002_semaphores", revision, _names
 )

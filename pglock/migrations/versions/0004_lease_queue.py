@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from psycopg import sql
 
-from pglock._contract import MAX_TTL, epoch_lock_key, install_lock_key, lease_channel
+from pglock._contract import MAX_TTL, epoch_lock_key, lease_channel
 from pglock.migrations import revision_functions
 
 revision = "pglock_0004"
@@ -25,11 +25,8 @@ HANDOFF_WINDOW = 1.0
 def _names(schema: str) -> dict[str, sql.Composable]:
     s = sql.Identifier(schema)
     return {
-        "s": s,
         "seq": sql.Literal(f"{s.as_string(None)}.lease_token"),
         "channel": sql.Literal(lease_channel(schema)),
-        "rev": sql.Literal(revision),
-        "lock": sql.Literal(install_lock_key(schema)),
         "epoch_lock": sql.Literal(epoch_lock_key(schema)),
         "max_ttl": sql.Literal(MAX_TTL),
         "window": sql.Literal(HANDOFF_WINDOW),
@@ -37,5 +34,5 @@ def _names(schema: str) -> dict[str, sql.Composable]:
 
 
 upgrade_statements, downgrade_statements, upgrade, downgrade = revision_functions(
-    "0004_lease_queue", _names
+    "0004_lease_queue", revision, _names
 )

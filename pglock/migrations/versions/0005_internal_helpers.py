@@ -7,9 +7,6 @@ SQL: ``pglock/sql/0005_internal_helpers.up.sql`` and ``.down.sql`` (docs/referen
 
 from __future__ import annotations
 
-from psycopg import sql
-
-from pglock._contract import install_lock_key
 from pglock.migrations import revision_functions
 
 revision = "pglock_0005"
@@ -18,14 +15,6 @@ branch_labels = None
 depends_on = None
 
 
-def _names(schema: str) -> dict[str, sql.Composable]:
-    return {
-        "s": sql.Identifier(schema),
-        "rev": sql.Literal(revision),
-        "lock": sql.Literal(install_lock_key(schema)),
-    }
-
-
 upgrade_statements, downgrade_statements, upgrade, downgrade = revision_functions(
-    "0005_internal_helpers", _names
+    "0005_internal_helpers", revision
 )
