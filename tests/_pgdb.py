@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -130,3 +130,20 @@ def throwaway_database(
             admin.execute(
                 sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname))
             )
+
+
+def drop_roles(server_dsn: str, roles: Iterable[str], *, owned_in: Iterable[str] = ()) -> None:
+    """Drop test ``roles`` (cluster-wide): end their sessions, drop what they own or were
+    granted in each database DSN of ``owned_in``, then the roles (``IF EXISTS``)."""
+    roles = list(roles)
+    for dsn in owned_in:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            for role in roles:
+                admin.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+    with psycopg.connect(server_dsn, autocommit=True) as admin:
+        for role in roles:
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+                (role,),
+            )
+            admin.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))

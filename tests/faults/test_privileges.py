@@ -31,7 +31,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from _pgdb import throwaway_database, with_params
+from _pgdb import drop_roles, throwaway_database, with_params
 from psycopg import errors as pg_errors
 from psycopg_pool import ConnectionPool
 
@@ -92,17 +92,8 @@ def roles(db: str, pg_dsn: str) -> Iterator[Roles]:
         yield made
     finally:
         _lease.shutdown()
-        with psycopg.connect(db, autocommit=True) as admin:
-            for role in (made.app, made.no_execute, made.no_usage):
-                admin.execute(f"DROP OWNED BY {role}")
         # The database goes with the module's `db` fixture; roles are cluster-wide.
-        with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            for role in (made.app, made.no_execute, made.no_usage):
-                admin.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
-                    (role,),
-                )
-                admin.execute(f"DROP ROLE {role}")
+        drop_roles(pg_dsn, (made.app, made.no_execute, made.no_usage), owned_in=[db])
 
 
 @pytest.fixture

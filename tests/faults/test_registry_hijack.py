@@ -32,7 +32,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from _pgdb import throwaway_database, with_params
+from _pgdb import drop_roles, throwaway_database, with_params
 from psycopg import sql
 
 import pglock
@@ -67,13 +67,7 @@ def roles(pg_dsn: str) -> Iterator[Roles]:
     finally:
         # The databases (and so every object and grant of these roles) are gone by now: the
         # database fixtures depend on this one and are torn down first.
-        with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            for role in (made.attacker, made.victim, made.bystander):
-                admin.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
-                    (role,),
-                )
-                admin.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(role)))
+        drop_roles(pg_dsn, (made.attacker, made.victim, made.bystander))
 
 
 def _prepare(dsn: str, roles: Roles, *, installed: bool) -> None:

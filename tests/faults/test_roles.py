@@ -47,7 +47,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from _pgdb import throwaway_database, with_params
+from _pgdb import drop_roles, throwaway_database, with_params
 from psycopg import sql
 from psycopg_pool import ConnectionPool
 
@@ -125,16 +125,7 @@ def roles(db: str, pg_dsn: str) -> Iterator[Roles]:
         yield made
     finally:
         _lease.shutdown()
-        with psycopg.connect(db, autocommit=True) as admin:
-            for role in (made.app, made.forger):
-                admin.execute(f"DROP OWNED BY {role}")
-        with psycopg.connect(pg_dsn, autocommit=True) as admin:
-            for role in (made.app, made.forger):
-                admin.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
-                    (role,),
-                )
-                admin.execute(f"DROP ROLE {role}")
+        drop_roles(pg_dsn, (made.app, made.forger), owned_in=[db])
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from _pgdb import throwaway_database, with_params
+from _pgdb import drop_roles, throwaway_database, with_params
 from psycopg import sql
 
 import pglock
@@ -72,16 +72,7 @@ def make_role(db: str, pg_dsn: str, app_name: str) -> Iterator[Callable[..., tup
         return role, with_params(db, user=role, application_name=app_name)
 
     yield factory
-    with psycopg.connect(db, autocommit=True) as admin:
-        for role in made:
-            admin.execute(f"DROP OWNED BY {role}")
-    with psycopg.connect(pg_dsn, autocommit=True) as admin:
-        for role in made:
-            admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
-                (role,),
-            )
-            admin.execute(f"DROP ROLE {role}")
+    drop_roles(pg_dsn, made, owned_in=[db])
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from _pgdb import with_params
+from _pgdb import drop_roles, with_params
 from psycopg import errors as pg_errors
 from test_lease_schema import alembic, db  # noqa: F401  (the fixture)
 
@@ -40,11 +40,7 @@ def app_role(db: str) -> Iterator[str]:  # noqa: F811
         yield role
     finally:
         _lease.shutdown()
-        with psycopg.connect(db, autocommit=True) as c:
-            c.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
-                      (role,))
-            c.execute(f"DROP OWNED BY {role}")
-            c.execute(f"DROP ROLE {role}")
+        drop_roles(db, [role], owned_in=[db])
 
 
 def definer(dsn: str) -> dict[str, bool]:
