@@ -376,18 +376,23 @@ def test_lease_lost_by_the_keepalive_is_counted_once(
     assert "no longer held" in gone.attributes["pglock.lost.reason"]
 
 
-def test_lease_keepalive_failure_makes_a_span(
-    otel: Telemetry, dsn: str, name: str
-) -> None:
-    otel.configure()
-    lease = pglock.lease(dsn, name, ttl=1.0, holder="h1")
-    assert lease.acquire()
+def _fail_a_renewal(otel: Telemetry, dsn: str, lease: pglock.Lease) -> None:
+    """Lock the lease table until a keepalive span ends (renewals cannot run), then release."""
     with psycopg.connect(dsn) as blocker:  # renewals cannot run while it locks the table
         blocker.execute("LOCK TABLE pglock.lease IN ACCESS EXCLUSIVE MODE")
         assert wait_until(lambda: otel.spans("pglock.lease.keepalive"), 10)
         blocker.rollback()
     with contextlib.suppress(pglock.LockLost):  # a renewal may or may not come in time
         lease.release()
+
+
+def test_lease_keepalive_failure_makes_a_span(
+    otel: Telemetry, dsn: str, name: str
+) -> None:
+    otel.configure()
+    lease = pglock.lease(dsn, name, ttl=1.0, holder="h1")
+    assert lease.acquire()
+    _fail_a_renewal(otel, dsn, lease)
     span = otel.spans("pglock.lease.keepalive")[0]
     assert span.attributes["pglock.lock.name"] == name
     assert span.attributes["pglock.lock.holder"] == "h1"
@@ -804,12 +809,7 @@ def test_a_keepalive_failure_is_recorded_on_the_telemetry_thread(
     otel = hostile("processor", plugin, span_threshold=3600.0)
     lease = pglock.lease(dsn, name, ttl=1.0)
     assert lease.acquire()
-    with psycopg.connect(dsn) as blocker:  # renewals cannot run while it locks the table
-        blocker.execute("LOCK TABLE pglock.lease IN ACCESS EXCLUSIVE MODE")
-        assert wait_until(lambda: otel.spans("pglock.lease.keepalive"), 10)
-        blocker.rollback()
-    with contextlib.suppress(pglock.LockLost):  # a renewal may or may not come in time
-        lease.release()
+    _fail_a_renewal(otel, dsn, lease)
     assert plugin.threads == {"pglock-telemetry"}
 
 
