@@ -42,10 +42,10 @@ def release_after(release: Callable[[], None], exc: BaseException | None, what: 
 
 
 def forked(what: str) -> RuntimeError:
-    """A release (extend, guard, resign) in a forked child of ``what`` its parent holds, refused
-    before anything is sent: holds record their pid (docs/locks.md, "Processes and fork")."""
-    return RuntimeError(f"{what} is held by the parent of this forked process ({os.getpid()}), "
-                        "and a forked child never releases, renews or uses its parent's holds")
+    """In a forked child, the refusal of a release (extend, guard, resign; an acquire under its
+    holder id) of ``what`` its parent holds, before anything is sent (docs/locks.md)."""
+    return RuntimeError(f"{what} is its parent's, in this forked process ({os.getpid()}): a forked "
+                        "child never releases, renews or uses its parent's holds or holder ids")
 
 
 class Waiters:

@@ -11,6 +11,7 @@ from . import _claims, _conn, _deadline, _keepalive, _pool, _registry, _source, 
 
 
 def _after_fork_in_child() -> None:
+    _claims.parents.update(key for key, ref in _claims._claims.items() if ref() is not None)
     _claims._claims.clear()
     _claims.lock, _conn._registry_lock = threading.Lock(), threading.Lock()
     _registry._lock, _source._dsn_lock = threading.Lock(), threading.Lock()

@@ -318,6 +318,56 @@ class LeaseLockerKind(_LeaseKind):
         self.locker.close()
 
 
+class _HolderLease(_LeaseKind):
+    """A lease with an explicit holder id. A child never acquires under a holder id of its
+    parent's: its copy of the handle refuses (RuntimeError), and a new handle with that holder
+    id gets HolderInUse, with ``resume=True`` too (the database would grant it the parent's
+    lease, token kept, and its release would end the parent's)."""
+
+    @property
+    def holder(self) -> str:
+        return f"worker:{self.lock_name}"
+
+    def handle(self, **options: Any) -> pglock.Lease:
+        return pglock.lease(self.dsn, self.lock_name, ttl=60, holder=self.holder, **options)
+
+    def make(self) -> pglock.Lease:
+        return self.handle()
+
+    def child_same_holder(self) -> None:
+        for resume in (False, True):
+            try:
+                self.handle(resume=resume).acquire(timeout=0)
+            except pglock.HolderInUse:
+                continue
+            raise AssertionError(f"a new handle (resume={resume}) used the parent's holder id")
+
+
+class LeaseHolderDsnKind(_HolderLease):
+    name = "lease_holder_dsn"
+
+
+class LeaseHolderLockerKind(_HolderLease):
+    name = "lease_holder_locker"
+
+    def handle(self, **options: Any) -> pglock.Lease:
+        if not hasattr(self, "locker"):
+            self.locker = pglock.Locker(self.dsn)
+            self.closers.append(self.locker.close)
+        return self.locker.lease(self.lock_name, ttl=60, holder=self.holder, **options)
+
+
+class LeaseResumedKind(_HolderLease):
+    """Held by a handle that re-attached with ``resume=True`` (taking it over from the first)."""
+
+    name = "lease_resumed_dsn"
+
+    def make(self) -> pglock.Lease:
+        self.first = self.handle()
+        assert self.first.acquire(timeout=5)
+        return self.handle(resume=True)
+
+
 def permit_holders(obs: psycopg.Connection[Any], name: str) -> list[str]:
     return sorted(h.holder for s in pglock.semaphores(obs, name) for h in s.holders)
 
@@ -442,7 +492,8 @@ def advisory_truth_dsn(dsn: str, name: str) -> list[tuple[int, str]]:
 
 KINDS: list[type[Kind]] = [
     PgLockKind, RWReadKind, PoolLockKind, LockerLockKind, RWWriteKind, SingletonKind,
-    LeaseDsnKind, LeaseLockerKind, SemaphoreKind, PermitKind, LeaderKind,
+    LeaseDsnKind, LeaseLockerKind, LeaseHolderDsnKind, LeaseHolderLockerKind, LeaseResumedKind,
+    SemaphoreKind, PermitKind, LeaderKind,
 ]
 
 
