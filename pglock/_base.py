@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._keys import DEFAULT, validate_flag, validate_timeout
+from ._tracked import Tracked
 from .errors import LockNotAcquired
 
 logger = logging.getLogger("pglock")
@@ -48,7 +49,7 @@ def forked(what: str) -> RuntimeError:
                         "child never releases, renews or uses its parent's holds or holder ids")
 
 
-class Waiters:
+class Waiters(Tracked):
     """The threads blocked in one lock object's ``acquire()``: a wait loop calls :meth:`enter`
     and asks :meth:`closed` whether ``close()`` ran since, which bumped the generation."""
 
@@ -77,7 +78,7 @@ class Waiters:
             return self._count > 0
 
 
-class BaseLock(abc.ABC):
+class BaseLock(Tracked, abc.ABC):
     """What every lock kind shares: timeout rules, the ``with`` block, close() waking waiters.
     A kind implements the abstract methods below; :meth:`_entered` is what ``with`` yields."""
 
