@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._keys import DEFAULT, validate_flag, validate_timeout
+from ._tracked import Tracked
 from .errors import LockNotAcquired
 
 logger = logging.getLogger("pglock")
@@ -42,13 +43,13 @@ def release_after(release: Callable[[], None], exc: BaseException | None, what: 
 
 
 def forked(what: str) -> RuntimeError:
-    """A release (extend, guard, resign) in a forked child of ``what`` its parent holds, refused
-    before anything is sent: holds record their pid (docs/locks.md, "Processes and fork")."""
-    return RuntimeError(f"{what} is held by the parent of this forked process ({os.getpid()}), "
-                        "and a forked child never releases, renews or uses its parent's holds")
+    """In a forked child, the refusal of a release (extend, guard, resign; an acquire under its
+    holder id) of ``what`` its parent holds, before anything is sent (docs/locks.md)."""
+    return RuntimeError(f"{what} is its parent's, in this forked process ({os.getpid()}): a forked "
+                        "child never releases, renews or uses its parent's holds or holder ids")
 
 
-class Waiters:
+class Waiters(Tracked):
     """The threads blocked in one lock object's ``acquire()``: a wait loop calls :meth:`enter`
     and asks :meth:`closed` whether ``close()`` ran since, which bumped the generation."""
 
@@ -77,7 +78,7 @@ class Waiters:
             return self._count > 0
 
 
-class BaseLock(abc.ABC):
+class BaseLock(Tracked, abc.ABC):
     """What every lock kind shares: timeout rules, the ``with`` block, close() waking waiters.
     A kind implements the abstract methods below; :meth:`_entered` is what ``with`` yields."""
 

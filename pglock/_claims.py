@@ -1,5 +1,5 @@
 """Holder ids: the default one (unique per handle), and the rule of one live handle per holder
-id and lease in a process (see :class:`pglock.Lease`)."""
+id and lease in a process and its forked children (see :class:`pglock.Lease`)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ _claims: dict[tuple[Any, ...], weakref.ref[Any]] = {}
 lock = threading.Lock()
 #: Prune the claims of collected handles (lost leases never released) past this many.
 _prune_at = 1024
+parents: set[tuple[Any, ...]] = set()  # in a forked child: its parents' live claims at the fork
 
 
 def claim(handle: Claimant, *, resume: bool, in_use: Callable[[], Exception]) -> None:
@@ -53,6 +54,8 @@ def claim(handle: Claimant, *, resume: bool, in_use: Callable[[], Exception]) ->
     handle is superseded (its release sends nothing); so is a live one that ``handle`` resumes."""
     superseded: Claimant | None = None
     with lock:
+        if handle._claim_key in parents:
+            raise in_use()
         other_ref = _claims.get(handle._claim_key)
         other: Claimant | None = None if other_ref is None else other_ref()
         if other is not None and other is not handle:

@@ -33,7 +33,7 @@ from psycopg.pq.abc import PGresult
 from psycopg.rows import tuple_row
 from psycopg.types.string import TextBinaryLoader, TextLoader
 
-from . import _sql
+from . import _sql, _tracked
 from ._classify import HELD, Kind, check_driver, classify
 from ._deadline import within
 from ._keys import exact
@@ -638,7 +638,7 @@ class Woken(Exception):
     """A wait's statement was not sent: its lock object was closed first."""
 
 
-class Flight:
+class Flight(_tracked.Tracked):
     """The statement a lock object's wait has in flight, and close()'s cancel of it (why that is
     safe: docs/how-it-works.md, "Failed transactions and interrupts")."""
 
@@ -764,7 +764,7 @@ class XactHold:
     started: Any = None
 
 
-class ConnState:
+class ConnState(_tracked.Tracked):
     """pglock's knowledge about one psycopg connection (one Postgres session)."""
 
     def __init__(self) -> None:

@@ -18,7 +18,7 @@ import psycopg
 from psycopg import conninfo as pg_conninfo
 from psycopg.pq import TransactionStatus
 
-from . import _advisory, _conn, _sql, _xact
+from . import _advisory, _conn, _sql, _tracked, _xact
 from ._base import forked, release_after
 from ._classify import Kind, check_driver, classify
 from ._deadline import within
@@ -120,7 +120,7 @@ def validity_window(check_interval: float) -> float:
     return check_interval + min(1.0, max(0.25, check_interval / 2))
 
 
-class LeaderElection:
+class LeaderElection(_tracked.Tracked):
     """One candidate in the election for ``name``; the elected one is the leader.
 
     Use it as a context manager (campaigns on entry, resigns on exit) or call :meth:`start`

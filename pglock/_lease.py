@@ -218,11 +218,11 @@ class Lease(_base.BaseLock, _ttl.Held):
     def _acquire_now(self, timeout: float | None, closed: _ttl.Closed) -> bool:
         if self._deferred is not None:  # a Locker's pool: looked up again (a child's own)
             self._bind(make_source(self._deferred.resolve()))
-        if self._inherited():  # a forked child holds nothing, nor shares a default holder id
-            self._state, self._pid = _NEW, os.getpid()  # (two children would both be granted)
-            if self._default_holder:
-                self._holder = default_holder()
-                self._bind(self._source)
+        if self._inherited():  # a forked child holds nothing, nor shares its parent's holder id
+            if not self._default_holder:  # (the database would grant it its parent's lease)
+                raise _base.forked(f"lease {self._name!r} with holder id {self._holder!r}")
+            self._state, self._pid, self._holder = _NEW, os.getpid(), default_holder()
+            self._bind(self._source)
         self._forget_lost()
         _claims.claim(self, resume=self._resume, in_use=self._in_use)
         granted = False

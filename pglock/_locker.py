@@ -24,6 +24,7 @@ from ._pool import _USE_PG_LOCK, PoolLock, PoolLockOptions, _classify, reset_con
 from ._rwlock import RWLock, RWLockOptions
 from ._semaphore import Semaphore, SemaphoreOptions
 from ._singleton import Singleton, SingletonOptions
+from ._tracked import Tracked
 
 if sys.version_info >= (3, 11):
     from typing import Self, Unpack
@@ -48,7 +49,7 @@ def _validate_namespace(namespace: object) -> str | None:
     return namespace
 
 
-class Locker:
+class Locker(Tracked):
     """The one configured entry point for an application's locks.
 
     ``Locker(source, namespace="billing")`` holds a connection source and settings; each

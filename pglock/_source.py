@@ -11,7 +11,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
@@ -19,7 +18,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.pq import TransactionStatus
 
-from . import _classify, _conn, _sql
+from . import _classify, _conn, _sql, _tracked
 from ._classify import HELD, SOURCES, Kind, check_driver, classify
 from ._deadline import NoAnswer, close_quietly, connect_extra, connect_within, within
 
@@ -308,7 +307,7 @@ def _engine_checkin(raw: Any, conn: psycopg.Connection[Any]) -> None:
     raw.close()
 
 
-class DsnSource(Source):
+class DsnSource(Source, _tracked.Tracked):
     """A few autocommit connections pglock opens for a DSN string (with the
     :data:`CONNECT_DEFAULTS` it does not set), reused, closed at exit."""
 
@@ -320,7 +319,6 @@ class DsnSource(Source):
         self.conninfo = make_conninfo(dsn, **extra) if extra else dsn
         self._idle: list[psycopg.Connection[Any]] = []
         self._lock = threading.Lock()
-        _every.add(self)
 
     def _connect(self) -> psycopg.Connection[Any]:
         # pglock's own connection: names, holder ids and metadata cross it in UTF-8.
@@ -364,7 +362,6 @@ class DsnSource(Source):
 
 #: One source per DSN string, shared by the leases and semaphores of the process.
 _dsn_sources: dict[str, DsnSource] = {}
-_every: weakref.WeakSet[DsnSource] = weakref.WeakSet()  # forgotten ones too (handles keep them)
 _dsn_lock = threading.Lock()
 
 

@@ -257,9 +257,9 @@ class LimitMismatch(LockError, ValueError):
 
 
 class HolderInUse(LockError):
-    """Another lease handle of this process, with the same holder id, is acquiring, holding or
-    releasing the same lease (same database, schema and name). Raised before any SQL; see
-    docs/leases.md for why, and for ``resume=True``.
+    """Another lease handle of this process (or of its parent at the fork), with the same holder
+    id, is acquiring, holding or releasing the same lease (same database, schema and name).
+    Raised before any SQL; see docs/leases.md for why, and for ``resume=True``.
 
     :ivar name: the lease name.
     :ivar holder: the holder id.
@@ -272,8 +272,8 @@ class HolderInUse(LockError):
         self.schema = schema
         super().__init__(
             f"lease {name!r} already has a live handle with holder id {holder!r} in this "
-            "process (acquiring, held or releasing): one holder id has one handle per lease; "
-            "release that handle first, or use another holder id"
+            "process, or had one in its parent at the fork (acquiring, held or releasing): one "
+            "holder id has one handle per lease; release that handle first, or use another one"
         )
 
 

@@ -16,11 +16,15 @@ import gc
 import multiprocessing
 import os
 import sys
+import threading
 import time
 import traceback
+import types
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import psycopg
@@ -318,6 +322,56 @@ class LeaseLockerKind(_LeaseKind):
         self.locker.close()
 
 
+class _HolderLease(_LeaseKind):
+    """A lease with an explicit holder id. A child never acquires under a holder id of its
+    parent's: its copy of the handle refuses (RuntimeError), and a new handle with that holder
+    id gets HolderInUse, with ``resume=True`` too (the database would grant it the parent's
+    lease, token kept, and its release would end the parent's)."""
+
+    @property
+    def holder(self) -> str:
+        return f"worker:{self.lock_name}"
+
+    def handle(self, **options: Any) -> pglock.Lease:
+        return pglock.lease(self.dsn, self.lock_name, ttl=60, holder=self.holder, **options)
+
+    def make(self) -> pglock.Lease:
+        return self.handle()
+
+    def child_same_holder(self) -> None:
+        for resume in (False, True):
+            try:
+                self.handle(resume=resume).acquire(timeout=0)
+            except pglock.HolderInUse:
+                continue
+            raise AssertionError(f"a new handle (resume={resume}) used the parent's holder id")
+
+
+class LeaseHolderDsnKind(_HolderLease):
+    name = "lease_holder_dsn"
+
+
+class LeaseHolderLockerKind(_HolderLease):
+    name = "lease_holder_locker"
+
+    def handle(self, **options: Any) -> pglock.Lease:
+        if not hasattr(self, "locker"):
+            self.locker = pglock.Locker(self.dsn)
+            self.closers.append(self.locker.close)
+        return self.locker.lease(self.lock_name, ttl=60, holder=self.holder, **options)
+
+
+class LeaseResumedKind(_HolderLease):
+    """Held by a handle that re-attached with ``resume=True`` (taking it over from the first)."""
+
+    name = "lease_resumed_dsn"
+
+    def make(self) -> pglock.Lease:
+        self.first = self.handle()
+        assert self.first.acquire(timeout=5)
+        return self.handle(resume=True)
+
+
 def permit_holders(obs: psycopg.Connection[Any], name: str) -> list[str]:
     return sorted(h.holder for s in pglock.semaphores(obs, name) for h in s.holders)
 
@@ -442,12 +496,93 @@ def advisory_truth_dsn(dsn: str, name: str) -> list[tuple[int, str]]:
 
 KINDS: list[type[Kind]] = [
     PgLockKind, RWReadKind, PoolLockKind, LockerLockKind, RWWriteKind, SingletonKind,
-    LeaseDsnKind, LeaseLockerKind, SemaphoreKind, PermitKind, LeaderKind,
+    LeaseDsnKind, LeaseLockerKind, LeaseHolderDsnKind, LeaseHolderLockerKind, LeaseResumedKind,
+    SemaphoreKind, PermitKind, LeaderKind,
 ]
 
 
 def actions(kind: type[Kind]) -> list[str]:
     return sorted(a.removeprefix("child_") for a in dir(kind) if a.startswith("child_"))
+
+
+#: What a thread may hold: locks, and the locks under conditions and events.
+SYNC = (type(threading.Lock()), type(threading.RLock()), threading.Condition, threading.Event)
+
+
+def pglock_locks(roots: Iterable[object]) -> list[Any]:
+    """Every lock reachable from ``roots`` and from pglock's modules through objects of
+    pglock's (their attributes and slots) and the containers they hold (a condition or an
+    event: its lock). Other libraries' objects (connections, threads) are not entered."""
+    found: dict[int, Any] = {}
+    seen = {id(sys.modules.get("pglock._tracked"))}  # pglock's registry: the walk finds its own
+    todo = [*roots, *(m for n, m in list(sys.modules.items()) if n.partition(".")[0] == "pglock")]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, threading.Event):
+            obj = obj._cond
+        if isinstance(obj, threading.Condition):
+            obj = obj._lock
+        if isinstance(obj, SYNC):
+            found[id(obj)] = obj
+        elif isinstance(obj, weakref.ref):
+            todo.append(obj())
+        elif isinstance(obj, (dict, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset, deque, weakref.WeakSet)):
+            todo.extend(obj)
+        elif _of_pglock(obj if isinstance(obj, types.ModuleType) else type(obj)):
+            todo.extend(getattr(obj, "__dict__", {}).values())
+            todo.extend(getattr(obj, s, None) for s in getattr(type(obj), "__slots__", ()))
+    return list(found.values())
+
+
+def _of_pglock(obj: type | types.ModuleType) -> bool:
+    """A module of pglock's, or a class of one."""
+    name = getattr(obj, "__name__" if isinstance(obj, types.ModuleType) else "__module__", None)
+    return isinstance(name, str) and name.partition(".")[0] == "pglock"
+
+
+def free(lock: Any) -> bool:
+    """Not held by any thread (this one may take it without waiting)."""
+    if lock.acquire(blocking=False):
+        lock.release()
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def frozen(locks: list[Any]) -> Iterator[None]:
+    """A thread of this process holds every lock of ``locks`` (taken all at once, or none and
+    again: no deadlock with pglock's threads) for the block, as a thread blocked inside pglock
+    holds some at a fork."""
+    held, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        deadline = time.monotonic() + 30
+        while not held.is_set() and time.monotonic() < deadline:
+            taken = []
+            for lock in locks:
+                if not lock.acquire(blocking=False):
+                    break
+                taken.append(lock)
+            else:
+                held.set()
+                done.wait(120)
+            for lock in reversed(taken):
+                lock.release()
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=hold, name="frozen", daemon=True)
+    thread.start()
+    try:
+        assert held.wait(35), "the locks of pglock's could not all be taken"
+        yield
+    finally:
+        done.set()
+        thread.join(30)
 
 
 def sessions(obs: psycopg.Connection[Any], app_name: str) -> dict[int, Any]:
