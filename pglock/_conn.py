@@ -131,7 +131,30 @@ def _driver_connection(sa_conn: Any) -> psycopg.Connection[Any]:
 def _check_open(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     if conn.closed or conn.broken:
         raise InvalidConnectionState.closed()
+    not_inherited(conn)
     return no_pipeline(conn)
+
+
+def not_inherited(
+    conn: psycopg.Connection[Any], state: ConnState | None = None, *, cut_off: bool = False
+) -> None:
+    """Refuse, before anything is sent, a connection pglock used in a parent of this forked
+    process (``state``: its record, if at hand): its session is the parent's (docs/locks.md,
+    "Processes and fork"). With ``cut_off``, its socket's descriptor is first pointed at
+    /dev/null, so that closing it (libpq then says goodbye) cannot end the parent's session."""
+    if state is None:
+        state = _registry.get(conn)
+    if state is not None and state.pid != os.getpid():
+        if cut_off:
+            devnull = os.open(os.devnull, os.O_RDWR)
+            try:
+                os.dup2(devnull, conn.pgconn.socket)
+            finally:
+                os.close(devnull)
+        raise InvalidConnectionState(
+            "pglock used this connection in the parent of this forked process: its session is "
+            "the parent's; a child opens connections of its own (docs/locks.md)"
+        )
 
 
 def no_pipeline(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
@@ -805,11 +828,7 @@ def state_for(conn: psycopg.Connection[Any]) -> ConnState:
         state = _registry.get(conn)
         if state is None:
             state = _registry[conn] = ConnState()
-    if state.pid != os.getpid():
-        raise InvalidConnectionState(
-            "pglock used this connection in the parent of this forked process: its session is "
-            "the parent's; a child opens connections of its own (docs/locks.md)"
-        )
+    not_inherited(conn, state)
     return state
 
 

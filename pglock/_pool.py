@@ -86,6 +86,8 @@ def reset_connection(conn: object) -> None:
 
     :raises TypeError: ``conn`` is not a psycopg ``Connection`` or a Django connection on
         psycopg 3.
+    :raises pglock.InvalidConnectionState: in a forked child, a connection pglock used in the
+        parent (cut off first: the pool's close of it leaves the parent's session alone).
 
     Example::
 
@@ -101,11 +103,21 @@ def reset_connection(conn: object) -> None:
     if pg.closed or pg.broken:
         _conn.forget(pg, lost=_RESET_LOST)
         return
-    status = pg.info.transaction_status
+    reset(pg, "pool reset")
+
+
+def reset(conn: psycopg.Connection[Any], source: str) -> None:
+    """A pool's reset of ``conn`` (open) given back by the application: end a failed
+    transaction, then :func:`release_all` (in an open transaction, which the pool ends: session
+    locks go at once all the same). Refused, with nothing sent, in a forked child on a
+    connection pglock used in the parent, which is cut off first: the pool discards a
+    connection its reset fails on, and its close must not end the parent's session."""
+    _conn.not_inherited(conn, cut_off=True)
+    status = conn.info.transaction_status
     if status == INERROR:
-        pg.rollback()
+        conn.rollback()
         status = IDLE
-    release_all(pg, source="pool reset", end_own_transaction=status == IDLE)
+    release_all(conn, source=source, end_own_transaction=status == IDLE)
 
 
 def release_all(

@@ -99,6 +99,8 @@ def install(target: str | psycopg.Connection[Any], *, schema: str = DEFAULT_SCHE
         ``Connection`` (its transaction is committed here).
     :param schema: the schema to install into (validated; default ``pglock``).
     :raises TypeError, ValueError: a bad schema name or target, before any SQL.
+    :raises pglock.InvalidConnectionState: a closed connection, or one pglock used in the parent
+        of this forked process.
     :raises psycopg.Error: the database refused (no privilege, unreachable server, ...).
 
     Safe to run concurrently: installs of one schema serialize on an advisory lock.
@@ -113,10 +115,10 @@ def install(target: str | psycopg.Connection[Any], *, schema: str = DEFAULT_SCHE
         dsn = _classify.dsn(target)
         with psycopg.connect(make_conninfo(dsn, **connect_extra(dsn)), autocommit=True) as conn:
             return _install(conn, schema, plan)
-    target = cast("psycopg.Connection[Any]", target)
-    if target.info.transaction_status != _conn.IDLE:
+    conn = _conn.resolve(target, "install()").conn  # open, not a forked parent's
+    if conn.info.transaction_status != _conn.IDLE:
         raise ValueError("install() needs an idle connection (commit or roll back first)")
-    return _install(target, schema, plan)
+    return _install(conn, schema, plan)
 
 
 def _install(conn: psycopg.Connection[Any], schema: str, plan: list[Revision]) -> list[str]:

@@ -16,8 +16,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import Pool, PoolResetState
 
 from ._classify import Kind, check_driver, classify
-from ._conn import IDLE, INERROR
-from ._pool import PoolLock, release_all
+from ._pool import PoolLock, reset
 
 __all__ = ["locked_session", "release_on_checkin"]
 
@@ -32,14 +31,9 @@ def _on_reset(dbapi_connection: Any, connection_record: Any, reset_state: PoolRe
     raw = getattr(connection_record, "driver_connection", None) or dbapi_connection
     if not isinstance(raw, psycopg.Connection) or raw.closed or raw.broken:
         return
-    status = raw.info.transaction_status
-    if status == INERROR:
-        raw.rollback()  # the pool rolls back next anyway; nothing can run before that
-        status = IDLE
-    # In an open transaction the statement runs inside it (session locks go at once all the
-    # same) and the pool's reset ends it. An exception here makes SQLAlchemy invalidate the
-    # connection: it is never checked out again holding a lock.
-    release_all(raw, source="SQLAlchemy pool reset", end_own_transaction=status == IDLE)
+    # An exception here makes SQLAlchemy invalidate the connection: it is never checked out
+    # again holding a lock.
+    reset(raw, "SQLAlchemy pool reset")
 
 
 def release_on_checkin(engine_or_pool: Engine | Pool) -> None:

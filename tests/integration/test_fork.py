@@ -17,19 +17,27 @@ and pglock's modules; the child must not wait on any.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import _inputs
+import psycopg
 import pytest
+import sqlalchemy as sa
 from _forking import (
     KINDS,
     Kind,
     actions,
+    advisory_truth_dsn,
     forked_error,
     free,
     frozen,
@@ -41,8 +49,10 @@ from _forking import (
     untouched,
     watched,
 )
+from _pgdb import sa_url
 
 import pglock
+import pglock.sqlalchemy
 from pglock import _keepalive
 
 HERE = Path(__file__).parent
@@ -188,3 +198,151 @@ def test_child_of_a_parent_thread_blocked_in_a_lease_acquire(dsn: str) -> None:
         holder.release()
         thread.join(30)
         waiter.release()
+
+
+#: Every public callable with a connection parameter (found from the API: tests/_inputs.py),
+#: and the name of that parameter. A new one joins the table by itself.
+CONN_PARAMS = ("conn", "source", "target", "pool_or_engine", "connection_or_url", "engine",
+               "engine_or_pool")
+TAKES_A_CONNECTION = sorted(
+    (qualname, next(p for p in params if p in CONN_PARAMS))
+    for qualname, (_, params) in _inputs.surface().items()
+    if set(params) & set(CONN_PARAMS)
+)
+#: Methods of a handle the child makes itself (on its own connections) that take one.
+_HANDLES: dict[str, Callable[[str, str], Any]] = {
+    "Lease": lambda dsn, name: pglock.lease(dsn, name, ttl=30),
+    "LeaderElection": lambda dsn, name: pglock.leader(dsn, name),
+}
+
+
+def _call(qualname: str, param: str, conn: Any, dsn: str, name: str) -> None:
+    """Call ``qualname`` with ``conn`` as ``param`` and samples of its other required
+    parameters, then use what it returns (enter it, or its read side)."""
+    owner, _, method = qualname.rpartition(".")
+    if owner in _HANDLES:
+        handle = _HANDLES[owner](dsn, name)
+        if owner == "Lease":
+            assert handle.acquire(timeout=5)
+        try:
+            getattr(handle, method)(conn)
+        finally:
+            if owner == "Lease":
+                handle.release()
+        return
+    fn, _ = _inputs.surface()[qualname]
+    kwargs = {param: conn}
+    for p in inspect.signature(fn).parameters.values():
+        if p.default is p.empty and p.name not in (param, "self") and p.kind is not p.VAR_KEYWORD:
+            kwargs[p.name] = _inputs.PARAMS[p.name].valid[0]
+    result = fn(**kwargs)
+    if hasattr(result, "read"):
+        result = result.read()
+    if hasattr(result, "__enter__"):
+        with result:
+            pass
+
+
+#: Where a closed connection (the oracle below) does not tell what a call does with one:
+#: a leader only copies its connection parameters (it never sends on it), and
+#: reset_connection() of a closed connection has nothing to release (it returns).
+NOT_BY_THE_ORACLE = {"LeaderElection": "copies", "leader": "copies", "reset_connection": "refuses"}
+
+
+def _what_it_does(qualname: str, param: str, dsn: str) -> str:
+    """"refuses" (a call that takes a caller's connection: a closed one gets
+    InvalidConnectionState from it, with no I/O), "TypeError" (it takes none) or "copies"."""
+    if qualname in NOT_BY_THE_ORACLE:
+        return NOT_BY_THE_ORACLE[qualname]
+    closed = psycopg.connect(dsn, autocommit=True)
+    closed.close()
+    try:
+        _call(qualname, param, closed, dsn, unique_name())
+    except pglock.InvalidConnectionState:
+        return "refuses"
+    except TypeError:
+        return "TypeError"
+    raise AssertionError(f"{qualname} used a closed connection")
+
+
+@pytest.mark.parametrize(("qualname", "param"), TAKES_A_CONNECTION,
+                         ids=[q for q, _ in TAKES_A_CONNECTION])
+def test_every_call_refuses_in_a_child_the_connection_pglock_used_in_the_parent(
+    qualname: str, param: str, dsn: str, app_name: str
+) -> None:
+    """Each public call given, in a forked child, a connection pglock used in the parent (it
+    holds a pg_lock there) raises InvalidConnectionState naming the fork before sending
+    anything, if it takes a caller's connection (else its TypeError; a leader copies the
+    connection's parameters for a connection of its own). The parent's session is untouched
+    and its lock stays held."""
+    does = _what_it_does(qualname, param, dsn)
+    conn = psycopg.connect(dsn, autocommit=True)
+    try:
+        with pglock.pg_lock(conn, unique_name()) as lock, observer(dsn) as obs:
+            before = sessions(obs, app_name)
+
+            def child() -> None:
+                try:
+                    _call(qualname, param, conn, dsn, unique_name())
+                except pglock.InvalidConnectionState as exc:
+                    assert does == "refuses" and "forked" in str(exc), exc
+                except TypeError:
+                    assert does == "TypeError"
+                else:
+                    assert does == "copies", f"{qualname} used the parent's connection"
+
+            assert in_child("os.fork", child, timeout=30) == 0
+            after = sessions(obs, app_name)
+            assert untouched({conn.info.backend_pid: before[conn.info.backend_pid]}, after,
+                             set()) == []
+            assert lock.locked
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("pool", ["sqlalchemy", "reset_connection"])
+def test_a_pool_reset_in_a_child_never_ends_the_parents_session(
+    pool: str, pg_dsn: str, dsn: str, app_name: str
+) -> None:
+    """A pool inherited by a child resets, there, a connection pglock used in the parent: the
+    reset is refused, and the pool's discard of the connection (SQLAlchemy invalidates it;
+    psycopg_pool closes it) sends nothing to the parent's session, whose lock stays held: had
+    the close ended that session, Postgres would have dropped a lock the parent believes it
+    holds."""
+    name = unique_name()
+    if pool == "sqlalchemy":
+        engine = sa.create_engine(sa_url(pg_dsn), connect_args={"application_name": app_name})
+        pglock.sqlalchemy.release_on_checkin(engine)
+        sa_conn = engine.connect()
+        conn = sa_conn.connection.driver_connection
+        give_back: Callable[[], object] = sa_conn.close
+    else:
+        conn = psycopg.connect(dsn, autocommit=True)
+
+        def give_back() -> None:  # what psycopg_pool does when its reset hook raises
+            try:
+                pglock.reset_connection(conn)
+            finally:
+                conn.close()
+
+    try:
+        with pglock.pg_lock(conn, name) as lock, observer(dsn) as obs:
+            before = sessions(obs, app_name)
+            pid = conn.info.backend_pid
+
+            def child() -> None:
+                with contextlib.suppress(pglock.InvalidConnectionState):
+                    give_back()
+                assert conn.closed or conn.broken  # the child's copy is gone
+
+            assert in_child("os.fork", child, timeout=30) == 0
+            time.sleep(0.2)  # a Terminate message would have ended the session by now
+            assert untouched({pid: before[pid]}, sessions(obs, app_name), set()) == []
+            assert advisory_truth_dsn(dsn, name), "the parent's lock was dropped"
+            assert lock.locked
+    finally:
+        if pool == "sqlalchemy":
+            sa_conn.close()
+            engine.dispose()
+        else:
+            conn.close()

@@ -36,9 +36,6 @@ def _in_child(fn: Any) -> str:
         return json.loads(f.read())
 
 
-@pytest.mark.xfail(
-    strict=True, reason="review finding 11: reset_connection in a child releases the parent's locks"
-)
 def test_reset_connection_in_a_forked_child_releases_nothing_of_the_parent(
     installed: str, connect: Any
 ) -> None:
@@ -71,9 +68,6 @@ alive); the parent learns it only at release (LockLost)."""
     )
 
 
-@pytest.mark.xfail(
-    strict=True, reason="review finding 11: advisory_locks uses the parent's connection in a child"
-)
 def test_advisory_locks_in_a_forked_child_refuses_the_parents_connection(
     installed: str, connect: Any
 ) -> None:
