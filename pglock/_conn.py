@@ -747,16 +747,17 @@ def translate(
                 f"the fencing-token sequence {ctx.schema}.lease_token is exhausted (it never "
                 "cycles, so no token is ever handed out twice); tokens cannot be issued any more"
             )
-    if not ctx.waits:
-        return None
     name = ctx.names[0] if ctx.names else None
     key = ctx.keys[0] if ctx.keys else None
+    # 53200 "out of shared memory": any statement sent for a lock (its probe too) needs slots.
+    if isinstance(exc, pg_errors.OutOfMemory) and (ctx.waits or ctx.names):
+        return LockTableFull(name, key=key)
+    if not ctx.waits:
+        return None
     if isinstance(exc, (pg_errors.LockNotAvailable, pg_errors.QueryCanceled)):
         return LockNotAcquired(name, key=key, timeout=ctx.timeout)
     if isinstance(exc, pg_errors.DeadlockDetected):
         return DeadlockDetected(name, key=key)
-    if isinstance(exc, pg_errors.OutOfMemory):  # 53200 "out of shared memory"
-        return LockTableFull(name, key=key)
     return None
 
 
