@@ -108,7 +108,7 @@ def _waits_for(dsn: str, name: str) -> bool:
 @pytest.mark.xfail(strict=True, reason="review3 finding 2: a connection the parent used only "
                    "for Lease.guard() is not known as pglock's in the child: the reset hook (or a "
                    "guard) runs on the parent's session, inside the parent's guarded transaction")
-@pytest.mark.parametrize("call", ["reset_connection", "guard"])
+@pytest.mark.parametrize("call", ["reset_connection", "guard", "xact_lock"])
 def test_a_connection_used_by_guard_in_the_parent_is_refused_in_the_child(
     installed: str, connect: Any, call: str
 ) -> None:
@@ -119,7 +119,7 @@ def test_a_connection_used_by_guard_in_the_parent_is_refused_in_the_child(
     forked child never releases, renews or uses what its parent holds ..., nor the parent's
     connections". The parent holds a lease and is inside a guarded transaction on ``conn``
     (guard() took the row lock there): the child's reset hook (or a guard() of a lease of the
-    child's own) on that connection is not refused. It sends its statement on the parent's
+    child's own, an xact_lock) on that connection is not refused. It sends its statement on the parent's
     session, in the parent's open transaction (pg_stat_activity shows the parent's session ran
     it), and reads the answer from the parent's socket."""
     name = f"review3:{uuid.uuid4()}"
@@ -133,6 +133,8 @@ def test_a_connection_used_by_guard_in_the_parent_is_refused_in_the_child(
         def child() -> Any:
             if call == "reset_connection":
                 return pglock.reset_connection(conn)
+            if call == "xact_lock":  # the parent's open transaction now holds the child's lock
+                return pglock.xact_lock(conn, name + ":child")
             mine = pglock.lease(installed, name + ":child", ttl=2, keepalive=False)
             assert mine.acquire(timeout=5)
             return mine.guard(conn)  # (its row then expires at its TTL)
