@@ -150,23 +150,26 @@ def test_a_connection_used_by_guard_in_the_parent_is_refused_in_the_child(
 @pytest.mark.xfail(strict=True, reason="review3 finding 3: a Locker's lock object that a parent "
                    "thread was acquiring at the fork refuses, in the child, as 'already held or "
                    "being acquired'")
+@pytest.mark.parametrize("kind", ["lock", "singleton"])
 def test_a_locker_lock_made_before_the_fork_works_in_the_child(
-    installed: str, connect: Any
+    installed: str, connect: Any, kind: str
 ) -> None:
     """docs/locks.md, "Processes and fork": in a child the parent's holds read as not held, and
     "A DSN Locker inherited from the parent opens a pool of the child's own at its first use in
     the child ..., so the locks, leases and semaphores it makes (also those made before the
     fork, such as a module-level @locker.singleton(...)) work in the child on the child's
-    connections". A parent thread is blocked in ``acquire()`` of a ``locker.lock(name)`` made
-    before the fork (another session holds the name). In the child the copy's
-    ``acquire(timeout=0)`` should answer False (the name is held elsewhere) and, once free,
-    True; it raises RuntimeError ("already held or being acquired"): the parent thread's
+    connections". A parent thread is blocked in ``acquire()`` of a ``locker.lock(name)`` (or of
+    a ``locker.singleton(name)``) made before the fork (another session holds the name). In
+    the child the copy's ``acquire(timeout=0)`` should answer False (the name is held
+    elsewhere); it raises RuntimeError ("already held or being acquired"): the parent thread's
     in-flight acquire (PoolLock._busy) is inherited."""
     name = f"review3:{uuid.uuid4()}"
     blocker = pglock.pg_lock(connect(), name)
     assert blocker.acquire()
     with pglock.Locker(installed) as locker:
-        lock = locker.lock(name, timeout=60)
+        lock: Any = locker.lock(name, timeout=60)
+        if kind == "singleton":
+            lock = locker.singleton(name, timeout=60)
         t, out = in_thread(lock.acquire)
         try:
             assert wait_until(lambda: _waits_for(installed, name), 10)
