@@ -71,6 +71,9 @@ class Waiters(Tracked):
         """True when close() ran after the wait that got ``generation`` began."""
         return self._generation != generation
 
+    def _forget_threads(self) -> None:
+        self._count = 0
+
     def close(self) -> bool:
         """Mark every current wait closed; True when at least one thread is waiting."""
         with self._lock:

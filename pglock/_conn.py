@@ -135,16 +135,18 @@ def _check_open(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     return no_pipeline(conn)
 
 
-def not_inherited(
-    conn: psycopg.Connection[Any], state: ConnState | None = None, *, cut_off: bool = False
-) -> None:
+#: The process that first used each caller's connection through pglock (any call that takes
+#: one: a lock, a guard, a read), so that a forked child knows its parent's.
+_users = weakref.WeakKeyDictionary[psycopg.Connection[Any], int]()
+
+
+def not_inherited(conn: psycopg.Connection[Any], *, cut_off: bool = False) -> None:
     """Refuse, before anything is sent, a connection pglock used in a parent of this forked
-    process (``state``: its record, if at hand): its session is the parent's (docs/locks.md,
-    "Processes and fork"). With ``cut_off``, its socket's descriptor is first pointed at
+    process: its session is the parent's (docs/locks.md, "Processes and fork"); else mark it
+    as this process's. With ``cut_off``, its socket's descriptor is first pointed at
     /dev/null, so that closing it (libpq then says goodbye) cannot end the parent's session."""
-    if state is None:
-        state = _registry.get(conn)
-    if state is not None and state.pid != os.getpid():
+    pid = os.getpid()
+    if _users.setdefault(conn, pid) != pid:
         if cut_off:
             devnull = os.open(os.devnull, os.O_RDWR)
             try:
@@ -829,7 +831,7 @@ def state_for(conn: psycopg.Connection[Any]) -> ConnState:
         state = _registry.get(conn)
         if state is None:
             state = _registry[conn] = ConnState()
-    not_inherited(conn, state)
+    not_inherited(conn)
     return state
 
 

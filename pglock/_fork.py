@@ -19,6 +19,8 @@ def _after_fork_in_child() -> None:
         for value in list(vars(obj).values()):
             if type(value) in _SYNC:  # in place (shared ones too), as threading does its own
                 value._at_fork_reinit()
+        if isinstance(obj, _tracked.Tracked):
+            obj._forget_threads()
         if isinstance(obj, _source.DsnSource):
             obj._idle = []
     _claims.parents.update(key for key, ref in _claims._claims.items() if ref() is not None)

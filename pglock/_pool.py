@@ -265,6 +265,9 @@ class PoolLock(BaseLock):
             err.__cause__ = miss[1]
         return err
 
+    def _forget_threads(self) -> None:
+        self._busy, self._waiting = False, None
+
     def _outstanding(self) -> bool:
         lock = self._lock  # not held in a forked child of the process that took it
         return lock is not None and lock._outstanding()

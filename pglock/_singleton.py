@@ -136,6 +136,9 @@ class Singleton(BaseLock):
             return fn(*args, **kwargs)
         raise AssertionError("unreachable")  # pragma: no cover - ExitStack does not swallow
 
+    def _forget_threads(self) -> None:
+        self._runs = set()
+
     def _forget(self, hold: RWHold) -> None:
         with self._mutex:
             self._runs.discard(hold)

@@ -14,3 +14,7 @@ class Tracked:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         objects.add(self := super().__new__(cls))
         return self
+
+    def _forget_threads(self) -> None:
+        """In a forked child: drop the record of what the parent's threads were doing in this
+        object (an acquire or a run in progress, a count of waiters): none of them is here."""

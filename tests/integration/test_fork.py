@@ -265,20 +265,27 @@ def _what_it_does(qualname: str, param: str, dsn: str) -> str:
     raise AssertionError(f"{qualname} used a closed connection")
 
 
+@pytest.mark.parametrize("used_by", ["pg_lock", "the call"])
 @pytest.mark.parametrize(("qualname", "param"), TAKES_A_CONNECTION,
                          ids=[q for q, _ in TAKES_A_CONNECTION])
 def test_every_call_refuses_in_a_child_the_connection_pglock_used_in_the_parent(
-    qualname: str, param: str, dsn: str, app_name: str
+    qualname: str, param: str, used_by: str, dsn: str, app_name: str
 ) -> None:
     """Each public call given, in a forked child, a connection pglock used in the parent (it
-    holds a pg_lock there) raises InvalidConnectionState naming the fork before sending
-    anything, if it takes a caller's connection (else its TypeError; a leader copies the
-    connection's parameters for a connection of its own). The parent's session is untouched
-    and its lock stays held."""
+    holds a pg_lock there, or the parent made the same call on it, whatever became of that)
+    raises InvalidConnectionState naming the fork before sending anything, if it takes a
+    caller's connection (else its TypeError; a leader copies the connection's parameters for a
+    connection of its own). The parent's session is untouched and its lock stays held."""
     does = _what_it_does(qualname, param, dsn)
     conn = psycopg.connect(dsn, autocommit=True)
     try:
-        with pglock.pg_lock(conn, unique_name()) as lock, observer(dsn) as obs:
+        with contextlib.ExitStack() as stack:
+            if used_by == "pg_lock":
+                lock = stack.enter_context(pglock.pg_lock(conn, unique_name()))
+            else:
+                with contextlib.suppress(pglock.LockError, TypeError):
+                    _call(qualname, param, conn, dsn, unique_name())
+            obs = stack.enter_context(observer(dsn))
             before = sessions(obs, app_name)
 
             def child() -> None:
@@ -295,7 +302,7 @@ def test_every_call_refuses_in_a_child_the_connection_pglock_used_in_the_parent(
             after = sessions(obs, app_name)
             assert untouched({conn.info.backend_pid: before[conn.info.backend_pid]}, after,
                              set()) == []
-            assert lock.locked
+            assert used_by != "pg_lock" or lock.locked
     finally:
         conn.close()
 

@@ -52,8 +52,6 @@ def _activity(dsn: str, pid: int) -> tuple[Any, ...]:
     return tuple(row)
 
 
-@pytest.mark.xfail(strict=True, reason="review3 finding 1: a pool-based lock's close() in a "
-                   "forked child waits up to 10 s for a thread that exists only in the parent")
 @pytest.mark.parametrize("kind", ["pool_lock", "singleton", "rwlock"])
 def test_close_in_a_child_never_waits_for_a_parent_thread(
     installed: str, connect: Any, kind: str
@@ -105,9 +103,6 @@ def _waits_for(dsn: str, name: str) -> bool:
     return bool(row and row[0])
 
 
-@pytest.mark.xfail(strict=True, reason="review3 finding 2: a connection the parent used only "
-                   "for Lease.guard() is not known as pglock's in the child: the reset hook (or a "
-                   "guard) runs on the parent's session, inside the parent's guarded transaction")
 @pytest.mark.parametrize("call", ["reset_connection", "guard", "xact_lock"])
 def test_a_connection_used_by_guard_in_the_parent_is_refused_in_the_child(
     installed: str, connect: Any, call: str
@@ -147,9 +142,6 @@ def test_a_connection_used_by_guard_in_the_parent_is_refused_in_the_child(
     )
 
 
-@pytest.mark.xfail(strict=True, reason="review3 finding 3: a Locker's lock object that a parent "
-                   "thread was acquiring at the fork refuses, in the child, as 'already held or "
-                   "being acquired'")
 @pytest.mark.parametrize("kind", ["lock", "singleton"])
 def test_a_locker_lock_made_before_the_fork_works_in_the_child(
     installed: str, connect: Any, kind: str
